@@ -1,0 +1,1 @@
+"""Glue to third-party frameworks, one module each; each imports its framework."""

@@ -1,0 +1,311 @@
+"""LangGraph / LangChain capture through the callback system (no monkey-patching).
+
+A :class:`TraceCallbackHandler` turns LangChain run events into tracer calls: each root
+run becomes an episode, LLM and tool runs become steps paired by ``run_id``, and graph
+nodes become ``node`` steps. It reaches a graph either bound to it with ``with_config``
+(the decorator) or through a configure hook while a ``with capture(...)`` block is active.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.messages import BaseMessage, ToolMessage, convert_to_openai_messages
+from langchain_core.outputs import ChatGeneration, LLMResult
+from langchain_core.runnables import Runnable
+from langchain_core.runnables.config import var_child_runnable_config
+from langchain_core.tracers.context import register_configure_hook
+
+from trace_plugin.payload import Lazy
+from trace_plugin.tracer import ActiveEpisode, Tracer
+from trace_plugin.trajectory import Step, StepKind, utcnow
+
+# Config metadata key with which a caller chooses the episode id of a run.
+EPISODE_ID_KEY = "trace_episode_id"
+
+_active_handler: ContextVar[TraceCallbackHandler | None] = ContextVar(
+    "trace_plugin_langgraph_handler", default=None
+)
+register_configure_hook(_active_handler, inheritable=True)
+
+_INTERRUPTS = {"GraphInterrupt", "GraphBubbleUp", "GeneratorExit", "CancelledError"}
+
+
+@dataclass(slots=True)
+class _Run:
+    """What the handler remembers about a LangChain run until it ends."""
+
+    episode: ActiveEpisode
+    is_root: bool
+    kind: StepKind | None = None  # None: a run we only track to find its children's episode
+    name: str = ""
+    seq: int = 0
+    input: Any = None
+    tools: Any = None
+    tool_call_id: str | None = None
+    parent_run_id: str | None = None
+    started_at: Any = None
+    t0: float = 0.0
+
+
+class TraceCallbackHandler(BaseCallbackHandler):
+    """Records every root run it sees as one episode of ``tracer``'s agent."""
+
+    run_inline = True  # cheap and thread-safe: no executor hop in async runs
+    raise_error = False
+    ignore_retriever = True
+    ignore_custom_event = True
+
+    def __init__(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+        self._runs: dict[UUID, _Run] = {}
+
+    def episode_id_of(self, run_id: UUID | None) -> str | None:
+        run = self._runs.get(run_id) if run_id is not None else None
+        return run.episode.id if run else None
+
+    # -- run bookkeeping -----------------------------------------------------------------
+
+    def _begin(
+        self,
+        run_id: UUID,
+        parent_run_id: UUID | None,
+        inputs: Any,
+        metadata: dict[str, Any] | None,
+        model: str | None = None,
+    ) -> _Run:
+        parent = self._runs.get(parent_run_id) if parent_run_id else None
+        if parent is not None:
+            run = _Run(parent.episode, is_root=False)
+        else:  # a root run, or one whose parent ran outside this capture
+            meta = {k: v for k, v in (metadata or {}).items() if not k.startswith(("ls_", "langgraph_"))}
+            episode = self.tracer.start_episode(
+                Lazy(to_openai_json, inputs),
+                episode_id=meta.pop(EPISODE_ID_KEY, None),
+                metadata=meta,
+                model=model,
+            )
+            run = _Run(episode, is_root=True)
+        self._runs[run_id] = run
+        return run
+
+    def _open_step(self, run: _Run, kind: StepKind, name: str, parent_run_id: UUID | None, input: Any) -> None:
+        run.kind, run.name, run.input = kind, name, input
+        run.seq = run.episode.next_seq()
+        run.parent_run_id = str(parent_run_id) if parent_run_id else None
+        run.started_at, run.t0 = utcnow(), time.perf_counter()
+
+    def _close(
+        self,
+        run_id: UUID,
+        output: Any = None,
+        error: BaseException | str | None = None,
+        final_state: Any = None,
+        **extra: Any,
+    ) -> None:
+        run = self._runs.pop(run_id, None)
+        if run is None:
+            return
+        if run.kind is not None:
+            if isinstance(error, BaseException):
+                error = f"{type(error).__name__}: {error}"
+            self.tracer.record_step(
+                Step(
+                    episode_id=run.episode.id,
+                    seq=run.seq,
+                    kind=run.kind,
+                    name=run.name,
+                    input=run.input,
+                    output=output,
+                    error=error,
+                    tool_call_id=run.tool_call_id,
+                    latency_ms=(time.perf_counter() - run.t0) * 1000,
+                    started_at=run.started_at,
+                    ended_at=utcnow(),
+                    run_id=str(run_id),
+                    parent_run_id=run.parent_run_id,
+                    tools=run.tools,
+                    **extra,
+                )
+            )
+        if run.is_root:
+            if isinstance(error, BaseException) and type(error).__name__ in _INTERRUPTS:
+                self.tracer.end_episode(run.episode, error=error, status="interrupted")
+            elif error is not None:
+                self.tracer.end_episode(run.episode, error=error)
+            else:
+                self.tracer.end_episode(run.episode, output=output, final_state=final_state)
+
+    # -- chains and graph nodes ------------------------------------------------------------
+
+    def on_chain_start(
+        self,
+        serialized: dict[str, Any] | None,
+        inputs: Any,
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        metadata: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        run = self._begin(run_id, parent_run_id, inputs, metadata)
+        name = kwargs.get("name")
+        if not run.is_root and metadata and name and metadata.get("langgraph_node") == name:
+            self._open_step(run, "node", name, parent_run_id, Lazy(to_openai_json, inputs))
+
+    def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        self._close(run_id, output=Lazy(to_openai_json, outputs), final_state=outputs)
+
+    def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        self._close(run_id, error=error)
+
+    # -- model calls -------------------------------------------------------------------
+
+    def on_chat_model_start(
+        self,
+        serialized: dict[str, Any] | None,
+        messages: list[list[BaseMessage]],
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        metadata: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        params = kwargs.get("invocation_params") or {}
+        model = params.get("model") or params.get("model_name") or (metadata or {}).get("ls_model_name")
+        run = self._begin(run_id, parent_run_id, messages, metadata, model=model)
+        if model and run.episode.model is None:
+            run.episode.model = model
+        tools = params.get("tools")
+        self._open_step(run, "llm", model or kwargs.get("name") or "chat_model", parent_run_id, None)
+        run.input = Lazy(_llm_input, (messages[0] if messages else [], tools))
+        run.tools = tools or None
+
+    def on_llm_start(
+        self,
+        serialized: dict[str, Any] | None,
+        prompts: list[str],
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        metadata: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        run = self._begin(run_id, parent_run_id, prompts, metadata)
+        self._open_step(run, "llm", kwargs.get("name") or "llm", parent_run_id, {"prompts": prompts})
+
+    def on_llm_end(self, response: LLMResult, *, run_id: UUID, **kwargs: Any) -> None:
+        generation = response.generations[0][0] if response.generations and response.generations[0] else None
+        usage: dict[str, Any] = {}
+        if isinstance(generation, ChatGeneration):
+            final: Any = generation.message
+            output: Any = Lazy(to_openai_json, final)
+            usage = getattr(final, "usage_metadata", None) or {}
+        else:
+            final = output = generation.text if generation is not None else None
+        token_usage = (response.llm_output or {}).get("token_usage") or {}
+        self._close(
+            run_id,
+            output=output,
+            final_state=final,
+            prompt_tokens=usage.get("input_tokens") or token_usage.get("prompt_tokens"),
+            completion_tokens=usage.get("output_tokens") or token_usage.get("completion_tokens"),
+        )
+
+    def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        self._close(run_id, error=error)
+
+    # -- tools ---------------------------------------------------------------------------
+
+    def on_tool_start(
+        self,
+        serialized: dict[str, Any] | None,
+        input_str: str,
+        *,
+        run_id: UUID,
+        parent_run_id: UUID | None = None,
+        metadata: dict[str, Any] | None = None,
+        inputs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        run = self._begin(run_id, parent_run_id, inputs if inputs is not None else input_str, metadata)
+        name = kwargs.get("name") or (serialized or {}).get("name") or "tool"
+        self._open_step(run, "tool", name, parent_run_id, inputs if inputs is not None else input_str)
+        run.tool_call_id = kwargs.get("tool_call_id")
+
+    def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        error = None
+        if isinstance(output, ToolMessage):
+            run = self._runs.get(run_id)
+            if run is not None and run.tool_call_id is None:
+                run.tool_call_id = output.tool_call_id
+            if output.status == "error":  # a ToolException handled by the tool itself
+                error = output.text if hasattr(output, "text") else str(output.content)
+            output = output.content
+        self._close(run_id, output=output, error=error, final_state=output)
+
+    def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        self._close(run_id, error=error)
+
+
+def to_openai_json(value: Any) -> Any:
+    """Messages anywhere inside ``value`` in OpenAI chat format; the rest as it is."""
+    if isinstance(value, BaseMessage):
+        return convert_to_openai_messages(value)
+    if isinstance(value, dict):
+        return {k: to_openai_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_openai_json(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # e.g. a Command update
+        fields = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
+        return {"__type__": type(value).__name__, **{k: to_openai_json(v) for k, v in fields if v is not None}}
+    return value
+
+
+def _llm_input(args: tuple[list[BaseMessage], Any]) -> dict[str, Any]:
+    messages, tools = args
+    names = [_tool_name(t) for t in tools] if tools else []
+    return {"messages": convert_to_openai_messages(messages), "tools": names}
+
+
+def _tool_name(tool: Any) -> str:
+    if isinstance(tool, dict):
+        inner = tool.get("function", tool)
+        return str(inner.get("name", "?")) if isinstance(inner, dict) else "?"
+    return getattr(tool, "name", type(tool).__name__)
+
+
+# -- how a handler reaches a graph ------------------------------------------------------
+
+
+def attach(runnable: Runnable, handler: TraceCallbackHandler) -> Runnable:
+    """The runnable with ``handler`` bound; a compiled graph stays a compiled graph."""
+    return runnable.with_config(callbacks=[handler])
+
+
+def activate(handler: TraceCallbackHandler) -> Any:
+    """Make ``handler`` see every LangChain run in this context; returns the reset token."""
+    return _active_handler.set(handler)
+
+
+def deactivate(token: Any) -> None:
+    _active_handler.reset(token)
+
+
+def current_episode_id() -> str | None:
+    """The episode of the LangChain run executing now (inside a node, tool or model)."""
+    config = var_child_runnable_config.get()
+    manager = (config or {}).get("callbacks")
+    parent = getattr(manager, "parent_run_id", None)
+    for handler in getattr(manager, "handlers", None) or ():
+        if isinstance(handler, TraceCallbackHandler):
+            episode_id = handler.episode_id_of(parent)
+            if episode_id is not None:
+                return episode_id
+    return None

@@ -1,0 +1,1 @@
+"""MCP servers of trace-plugin: the recording proxy and the environment server."""

@@ -1,0 +1,300 @@
+"""The recorder: moves capture records off the agent's threads and into the store.
+
+Capture calls :meth:`Recorder.submit`, which only appends to a bounded queue and never
+raises. One background thread encodes the records (JSON, truncation, redaction) and
+writes them in batches. When the database is down the thread holds its batch and
+retries; the queue fills and further records are dropped and counted, with one warning
+per outage, until writes succeed again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
+
+from trace_plugin.payload import DEFAULT_MAX_BYTES, Redactor, clip_text, encode, make_redactor
+from trace_plugin.store import Store
+from trace_plugin.store.store import Record
+from trace_plugin.trajectory import Episode, EpisodeEnd, Feedback, Step
+
+log = logging.getLogger("trace_plugin")
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadPolicy:
+    """How a capture's payloads are bounded and redacted before they are stored."""
+
+    max_bytes: int = DEFAULT_MAX_BYTES
+    redact: Redactor | None = None
+
+    @classmethod
+    def of(cls, max_bytes: int | None = None, redact: Any = None) -> PayloadPolicy:
+        return cls(max_bytes or DEFAULT_MAX_BYTES, make_redactor(redact))
+
+
+DEFAULT_POLICY = PayloadPolicy()
+
+
+def encode_record(record: Record, policy: PayloadPolicy) -> Record:
+    """Encode a record's payload fields in place; it belongs to the recorder by now."""
+    size, redact = policy.max_bytes, policy.redact
+    if isinstance(record, Episode):
+        record.input = encode(record.input, max_bytes=size, redact=redact)
+        record.output = encode(record.output, max_bytes=size, redact=redact)
+        record.metadata = encode(record.metadata or {}, max_bytes=size, redact=redact)
+    elif isinstance(record, Step):
+        record.input = encode(record.input, max_bytes=size, redact=redact)
+        record.output = encode(record.output, max_bytes=size, redact=redact)
+        record.token_ids = encode(record.token_ids, max_bytes=size)
+    elif isinstance(record, EpisodeEnd):
+        record.output = encode(record.output, max_bytes=size, redact=redact)
+    elif isinstance(record, Feedback):
+        record.comment = clip_text(record.comment, size, redact)
+    if isinstance(record, Episode | Step | EpisodeEnd):
+        record.error = clip_text(record.error, size, redact)
+    return record
+
+
+class _Flush:
+    """A marker in the queue: set once everything queued before it is stored or dropped."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+
+_STOP = object()
+
+
+class Recorder:
+    """Batched, non-blocking writes of capture records into a :class:`Store`."""
+
+    def __init__(
+        self,
+        store: Store | str | None = None,
+        *,
+        max_queue: int = 100_000,
+        batch_size: int = 2_000,
+        retry_interval: float = 1.0,
+    ) -> None:
+        self.store = store if isinstance(store, Store) else Store(store)
+        self.max_queue = max_queue
+        self.batch_size = batch_size
+        self.retry_interval = retry_interval
+        self.written = 0
+        self.dropped = 0
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        self._schema_ready = False
+        self._outage: str | None = None
+
+    # -- agent side: never blocks, never raises --------------------------------------------
+
+    def submit(self, record: Record, policy: PayloadPolicy = DEFAULT_POLICY) -> None:
+        try:
+            self._ensure_thread()
+            self._queue.put_nowait((record, policy))
+        except queue.Full:
+            self._count_drop(1)
+        except Exception:  # capture must never break the agent
+            self._count_drop(1)
+            log.exception("trace-plugin: could not queue a record")
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Wait until everything submitted so far is stored (or dropped). False on timeout."""
+        if self._thread is None or not self._thread.is_alive():
+            return self._queue.empty()
+        marker = _Flush()
+        try:
+            self._queue.put(marker, timeout=timeout)
+        except queue.Full:
+            return False
+        return marker.done.wait(timeout)
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Flush, then stop the writer thread. Returns whether everything was stored."""
+        flushed = self.flush(timeout)
+        if self._thread is not None and self._thread.is_alive():
+            try:
+                self._queue.put(_STOP, timeout=1)
+                self._thread.join(timeout=5)
+            except queue.Full:
+                pass
+        self._thread = None
+        return flushed
+
+    def _ensure_thread(self) -> None:
+        if self._thread is not None and self._pid == os.getpid():
+            return
+        with self._lock:
+            if self._thread is not None and self._pid == os.getpid():
+                return
+            if self._pid != os.getpid():  # forked child: the parent's thread and queue are not ours
+                self._pid = os.getpid()
+                self._queue = queue.Queue(maxsize=self.max_queue)
+            thread = threading.Thread(target=self._run, name="trace-plugin-writer", daemon=True)
+            thread.start()
+            self._thread = thread
+
+    def _count_drop(self, n: int) -> None:
+        with self._lock:
+            first = self.dropped == 0
+            self.dropped += n
+        if first and self._outage is None:
+            log.warning("trace-plugin: recorder queue full; dropping records (counted in .dropped)")
+
+    # -- writer thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            batch, markers, stop = [], [], False
+            while True:
+                if item is _STOP:
+                    stop = True
+                elif isinstance(item, _Flush):
+                    markers.append(item)
+                else:
+                    batch.append(item)
+                if stop or len(batch) >= self.batch_size:
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            records = self._encode(batch)
+            if records:
+                self._write_until_stored(records)
+            for marker in markers:
+                marker.done.set()
+            if stop:
+                return
+
+    def _encode(self, batch: list[tuple[Record, PayloadPolicy]]) -> list[Record]:
+        records = []
+        for record, policy in batch:
+            try:
+                records.append(encode_record(record, policy))
+            except Exception:
+                self._count_drop(1)
+                log.exception("trace-plugin: could not encode a %s record", type(record).__name__)
+        return records
+
+    def _write_until_stored(self, records: list[Record]) -> None:
+        """Write a batch, retrying through outages; isolate records the database rejects."""
+        while True:
+            try:
+                if not self._schema_ready:
+                    self.store.upgrade()
+                    self._schema_ready = True
+                self.store.write(records)
+            except IntegrityError:
+                self._write_one_by_one(records)
+            except (DBAPIError, SQLAlchemyError, OSError) as exc:
+                if isinstance(exc, DBAPIError) and not _is_outage(exc):
+                    self._write_one_by_one(records)
+                else:
+                    self._note_outage(exc)
+                    time.sleep(self.retry_interval)
+                    continue
+            except Exception:
+                log.exception("trace-plugin: unexpected error writing %d records", len(records))
+                self._count_drop(len(records))
+                return
+            else:
+                self.written += len(records)
+            if self._outage is not None:
+                log.warning("trace-plugin: database reachable again; %d records dropped so far", self.dropped)
+                self._outage = None
+            return
+
+    def _write_one_by_one(self, records: list[Record]) -> None:
+        for record in records:
+            try:
+                self.store.write([record])
+                self.written += 1
+            except SQLAlchemyError as exc:
+                self._count_drop(1)
+                log.warning("trace-plugin: dropped a %s record: %s", type(record).__name__, _first_line(exc))
+
+    def _note_outage(self, exc: Exception) -> None:
+        if self._outage is None:
+            self._outage = _first_line(exc)
+            log.warning(
+                "trace-plugin: cannot write to %s (%s); buffering up to %d records and retrying",
+                self.store.engine.url.render_as_string(hide_password=True),
+                self._outage,
+                self.max_queue,
+            )
+
+
+def _is_outage(exc: DBAPIError) -> bool:
+    """Connection loss, locks and read-only files pass with time; bad data does not."""
+    return exc.connection_invalidated or type(exc).__name__ in ("OperationalError", "InterfaceError")
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+# -- the process-wide default recorder ---------------------------------------------------
+
+_default: Recorder | None = None
+_default_lock = threading.Lock()
+
+
+def default_recorder() -> Recorder:
+    """The process's recorder, created on first use for ``$TRACE_PLUGIN_DB_URL``."""
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                _default = Recorder()
+    return _default
+
+
+def configure(db_url: str | None = None, **options: Any) -> Recorder:
+    """Point capture at another database (or tune the recorder); flushes the previous one."""
+    global _default
+    with _default_lock:
+        previous, _default = _default, Recorder(db_url, **options)
+    if previous is not None:
+        previous.close()
+    return _default
+
+
+def flush(timeout: float | None = 30.0) -> bool:
+    """Wait until every captured record so far is stored. False if that timed out."""
+    return _default.flush(timeout) if _default is not None else True
+
+
+def feedback(
+    episode_id: str,
+    *,
+    reward: float | None = None,
+    label: str | None = None,
+    comment: str | None = None,
+    source: str = "api",
+) -> None:
+    """Attach a delayed reward or label to an episode; it becomes the episode's outcome."""
+    if reward is None and label is None:
+        raise ValueError("feedback needs a reward or a label")
+    record = Feedback(episode_id, reward=reward, label=label, source=source, comment=comment)
+    default_recorder().submit(record)
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    if _default is not None:
+        _default.close(timeout=float(os.environ.get("TRACE_PLUGIN_EXIT_FLUSH_S", "30")))

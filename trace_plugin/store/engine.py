@@ -1,0 +1,82 @@
+"""Engines for the store: SQLite embedded by default, PostgreSQL chosen by URL."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+
+DB_URL_ENV = "TRACE_PLUGIN_DB_URL"
+HOME_ENV = "TRACE_PLUGIN_HOME"
+
+
+def data_dir() -> Path:
+    """Where trace-plugin keeps its files: ``$TRACE_PLUGIN_HOME`` or ``~/.trace-plugin``."""
+    return Path(os.environ.get(HOME_ENV) or Path.home() / ".trace-plugin")
+
+
+def resolve_url(url: str | None = None) -> str:
+    """The URL given, else ``$TRACE_PLUGIN_DB_URL``, else a SQLite file in the data dir.
+
+    ``postgresql://`` URLs get the psycopg 3 driver, the one the ``postgres`` extra installs.
+    """
+    url = url or os.environ.get(DB_URL_ENV) or f"sqlite:///{data_dir() / 'trace.db'}"
+    parsed = make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed.render_as_string(hide_password=False)
+
+
+class JsonText(str):
+    """JSON already serialized by the recorder; passed through instead of dumped twice."""
+
+    __slots__ = ()
+
+
+def _dump_json(value: Any) -> str:
+    return value if isinstance(value, JsonText) else json.dumps(value)
+
+
+def make_engine(url: str) -> Engine:
+    """An engine whose transactions behave the same under concurrent writers.
+
+    SQLite runs in WAL mode with a busy timeout, and every write transaction starts with
+    ``BEGIN IMMEDIATE``: a deferred BEGIN that later upgrades to a write lock fails with
+    "database is locked" under concurrent writers instead of waiting. Reads go through
+    ``engine.execution_options(sqlite_read=True)`` and keep a deferred BEGIN.
+    """
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_engine(
+            url,
+            json_serializer=_dump_json,
+            pool_pre_ping=True,
+            connect_args={"connect_timeout": 5},
+        )
+
+    if parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(
+        url, json_serializer=_dump_json, connect_args={"timeout": 30, "check_same_thread": False}
+    )
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves, below
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        read = conn.get_execution_options().get("sqlite_read", False)
+        conn.exec_driver_sql("BEGIN" if read else "BEGIN IMMEDIATE")
+
+    return engine

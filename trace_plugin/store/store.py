@@ -1,0 +1,308 @@
+"""The trajectory store: batched writes of capture records and the queries built on them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine, bindparam, case, func, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
+
+from trace_plugin.store import tables as t
+from trace_plugin.store.engine import make_engine, resolve_url
+from trace_plugin.trajectory import Episode, EpisodeEnd, Feedback, Step, utcnow
+
+Record = Episode | Step | EpisodeEnd | Feedback
+_R = TypeVar("_R", Episode, Step, Feedback)
+
+MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+_PG_MIGRATION_LOCK = 0x7472_6163  # "trac": serializes concurrent upgrades on PostgreSQL
+
+
+@dataclass(slots=True)
+class AgentStats:
+    agent: str
+    episodes: int
+    finished: int
+    with_outcome: int
+    successes: int
+    mean_reward: float | None
+
+    @property
+    def success_rate(self) -> float | None:
+        return self.successes / self.with_outcome if self.with_outcome else None
+
+
+def tool_hash(schema: dict[str, Any]) -> str:
+    """Content hash of a tool schema, so identical schemas are stored once."""
+    canonical = json.dumps(schema, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    """SQLite returns naive datetimes; everything we write is UTC."""
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value
+
+
+class Store:
+    """SQL storage for trajectories, on SQLite (the default) or PostgreSQL.
+
+    ``write`` takes capture records in the order they happened and stores them in one
+    transaction; the recorder calls it from its background thread. Queries return the
+    dataclasses of :mod:`trace_plugin.trajectory`.
+    """
+
+    def __init__(self, url: str | None = None, *, engine: Engine | None = None) -> None:
+        self.url = resolve_url(url)
+        self.engine = engine or make_engine(self.url)
+        self._read_engine = self.engine.execution_options(sqlite_read=True)
+        self._known_agents: set[str] = set()
+        self._known_tools: set[str] = set()
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- schema -------------------------------------------------------------------------
+
+    def upgrade(self, revision: str = "head") -> None:
+        """Bring the schema to ``revision`` with Alembic; safe to run from many processes."""
+        from alembic import command
+        from alembic.config import Config
+
+        config = Config()
+        config.set_main_option("script_location", str(MIGRATIONS_DIR))
+        with self.engine.begin() as conn:  # BEGIN IMMEDIATE on SQLite: one upgrader at a time
+            if self.dialect == "postgresql":
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
+            config.attributes["connection"] = conn
+            command.upgrade(config, revision)
+
+    # -- writes -------------------------------------------------------------------------
+
+    def write(self, records: Sequence[Record]) -> None:
+        """Store records in one transaction, preserving their order's meaning.
+
+        Episodes are inserted before the steps, ends and feedback that refer to them, so a
+        batch may hold a whole run. Raises on any failure, and then nothing is written.
+        """
+        with self.engine.begin() as conn:
+            self._write(conn, records)
+
+    def _write(self, conn: Connection, records: Sequence[Record]) -> None:
+        started = [r for r in records if isinstance(r, Episode)]
+        step_rows = [r for r in records if isinstance(r, Step)]
+        ends = [r for r in records if isinstance(r, EpisodeEnd)]
+        feedback = [r for r in records if isinstance(r, Feedback)]
+
+        new_agents = {e.agent for e in started} - self._known_agents
+        if new_agents:
+            now = utcnow()
+            rows = [{"name": a, "created_at": now} for a in sorted(new_agents)]
+            conn.execute(self._insert_ignore(t.agents), rows)
+        if started:
+            conn.execute(t.episodes.insert(), [_to_row(e, _EPISODE_COLUMNS) for e in started])
+        if ends:
+            conn.execute(_END_EPISODE, [_end_row(e) for e in ends])
+        if step_rows:
+            conn.execute(t.steps.insert(), [_to_row(s, _STEP_COLUMNS) for s in step_rows])
+            self._write_tools(conn, step_rows)
+        if feedback:
+            conn.execute(t.feedback.insert(), [_to_row(f, _FEEDBACK_COLUMNS) for f in feedback])
+            conn.execute(_APPLY_FEEDBACK, [_end_row(f) for f in feedback])
+        self._known_agents |= new_agents
+
+    def _write_tools(self, conn: Connection, step_rows: Iterable[Step]) -> None:
+        schemas: dict[str, dict[str, Any]] = {}
+        links: set[tuple[str, str]] = set()
+        for s in step_rows:
+            for schema in s.tools or ():
+                h = tool_hash(schema)
+                schemas[h] = schema
+                links.add((s.episode_id, h))
+        if not links:
+            return
+        new = [h for h in schemas if h not in self._known_tools]
+        if new:
+            now = utcnow()
+            rows = [
+                {"hash": h, "name": _tool_name(schemas[h]), "schema": schemas[h], "created_at": now}
+                for h in new
+            ]
+            conn.execute(self._insert_ignore(t.tool_schemas), rows)
+        conn.execute(
+            self._insert_ignore(t.episode_tools),
+            [{"episode_id": e, "tool_hash": h} for e, h in sorted(links)],
+        )
+        self._known_tools.update(new)
+
+    def _insert_ignore(self, table: t.Table) -> Any:
+        dialect_insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
+        return dialect_insert(table).on_conflict_do_nothing()
+
+    # -- queries ------------------------------------------------------------------------
+
+    def list_episodes(
+        self,
+        agent: str | None = None,
+        *,
+        status: str | None = None,
+        limit: int = 50,
+        offset: int = 0,
+    ) -> list[Episode]:
+        """Episodes, newest first, without their steps."""
+        query = select(t.episodes).order_by(t.episodes.c.started_at.desc(), t.episodes.c.id)
+        if agent is not None:
+            query = query.where(t.episodes.c.agent == agent)
+        if status is not None:
+            query = query.where(t.episodes.c.status == status)
+        with self._read_engine.connect() as conn:
+            rows = conn.execute(query.limit(limit).offset(offset)).mappings().all()
+        return [_episode_from_row(r) for r in rows]
+
+    def get_episode(self, episode_id: str) -> Episode | None:
+        """One episode with its steps in order, or None."""
+        with self._read_engine.connect() as conn:
+            row = conn.execute(select(t.episodes).where(t.episodes.c.id == episode_id)).mappings()
+            row = row.first()
+            if row is None:
+                return None
+            step_rows = conn.execute(
+                select(t.steps).where(t.steps.c.episode_id == episode_id).order_by(t.steps.c.seq)
+            ).mappings()
+            episode = _episode_from_row(row)
+            episode.steps = [_from_row(Step, s, _STEP_COLUMNS) for s in step_rows]
+        return episode
+
+    def feedback_for(self, episode_id: str) -> list[Feedback]:
+        query = select(t.feedback).where(t.feedback.c.episode_id == episode_id)
+        with self._read_engine.connect() as conn:
+            rows = conn.execute(query.order_by(t.feedback.c.id)).mappings().all()
+        return [_from_row(Feedback, r, _FEEDBACK_COLUMNS) for r in rows]
+
+    def tool_schemas(self, agent: str) -> list[dict[str, Any]]:
+        """The distinct tool schemas ever offered to ``agent``, by name."""
+        query = (
+            select(t.tool_schemas.c.schema)
+            .distinct()
+            .join(t.episode_tools, t.episode_tools.c.tool_hash == t.tool_schemas.c.hash)
+            .join(t.episodes, t.episodes.c.id == t.episode_tools.c.episode_id)
+            .where(t.episodes.c.agent == agent)
+        )
+        with self._read_engine.connect() as conn:
+            schemas = [r[0] for r in conn.execute(query)]
+        return sorted(schemas, key=_tool_name)
+
+    def count(self, table: str) -> int:
+        with self._read_engine.connect() as conn:
+            return conn.execute(select(func.count()).select_from(t.metadata.tables[table])).scalar_one()
+
+    def stats(self) -> list[AgentStats]:
+        """Per agent: episodes, how many have an outcome, successes and mean reward.
+
+        An episode succeeded when its label is ``success`` or, lacking a label, its
+        reward is at least 1 (rewards lie in [0, 1], so 1 is full marks).
+        """
+        e = t.episodes.c
+        has_outcome = (e.label.is_not(None)) | (e.reward.is_not(None))
+        success = case((e.label.is_not(None), e.label == "success"), else_=e.reward >= 1.0)
+        query = (
+            select(
+                e.agent,
+                func.count(),
+                func.sum(case((e.status != "running", 1), else_=0)),
+                func.sum(case((has_outcome, 1), else_=0)),
+                func.sum(case((has_outcome & success, 1), else_=0)),
+                func.avg(e.reward),
+            )
+            .group_by(e.agent)
+            .order_by(e.agent)
+        )
+        with self._read_engine.connect() as conn:
+            rows = conn.execute(query).all()
+        return [
+            AgentStats(a, n, int(fin or 0), int(out or 0), int(ok or 0), avg)
+            for a, n, fin, out, ok, avg in rows
+        ]
+
+
+_END_EPISODE = (
+    update(t.episodes)
+    .where(t.episodes.c.id == bindparam("b_id"))
+    .values(
+        status=func.coalesce(bindparam("b_status", type_=t.String()), t.episodes.c.status),
+        output=bindparam("b_output", type_=t.Json),
+        reward=func.coalesce(bindparam("b_reward", type_=t.Float()), t.episodes.c.reward),
+        label=func.coalesce(bindparam("b_label", type_=t.String()), t.episodes.c.label),
+        error=bindparam("b_error", type_=t.Text()),
+        model=func.coalesce(bindparam("b_model", type_=t.String()), t.episodes.c.model),
+        ended_at=bindparam("b_ended_at", type_=t.Timestamp),
+    )
+)
+
+# Feedback overrides the outcome; ``b_*`` keys it does not carry are left as they were.
+_APPLY_FEEDBACK = (
+    update(t.episodes)
+    .where(t.episodes.c.id == bindparam("b_id"))
+    .values(
+        reward=func.coalesce(bindparam("b_reward", type_=t.Float()), t.episodes.c.reward),
+        label=func.coalesce(bindparam("b_label", type_=t.String()), t.episodes.c.label),
+    )
+)
+
+
+def _columns(table: t.Table, cls: type) -> tuple[str, ...]:
+    """The table's columns that are fields of the record class (all but surrogate keys)."""
+    names = {f.name for f in fields(cls)}
+    return tuple(c.name for c in table.columns if c.name in names)
+
+
+_EPISODE_COLUMNS = _columns(t.episodes, Episode)
+_STEP_COLUMNS = _columns(t.steps, Step)
+_FEEDBACK_COLUMNS = _columns(t.feedback, Feedback)
+
+
+def _to_row(record: Record, columns: tuple[str, ...]) -> dict[str, Any]:
+    return {c: getattr(record, c) for c in columns}
+
+
+def _from_row(cls: type[_R], row: Any, columns: tuple[str, ...]) -> _R:
+    return cls(**{c: _aware(row[c]) if isinstance(row[c], datetime) else row[c] for c in columns})
+
+
+def _episode_from_row(row: Any) -> Episode:
+    episode = _from_row(Episode, row, _EPISODE_COLUMNS)
+    episode.metadata = episode.metadata or {}
+    return episode
+
+
+def _end_row(r: EpisodeEnd | Feedback) -> dict[str, Any]:
+    if isinstance(r, Feedback):
+        return {"b_id": r.episode_id, "b_reward": r.reward, "b_label": r.label}
+    return {
+        "b_id": r.episode_id,
+        "b_status": r.status,
+        "b_output": r.output,
+        "b_reward": r.reward,
+        "b_label": r.label,
+        "b_error": r.error,
+        "b_model": r.model,
+        "b_ended_at": r.ended_at,
+    }
+
+
+def _tool_name(schema: dict[str, Any]) -> str:
+    """The name in an OpenAI tool schema (``{"type": "function", "function": {...}}``)."""
+    inner = schema.get("function", schema)
+    return str(inner.get("name", "?")) if isinstance(inner, dict) else "?"

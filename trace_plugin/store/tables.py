@@ -1,0 +1,111 @@
+"""SQL tables of the trajectory store (SQLAlchemy Core; migrations live in ``migrations/``).
+
+Later stages add their own tables beside these (capabilities, environments, training
+runs, experts, deployments), each keyed to ``agents.name`` and created by a migration.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+metadata = MetaData()
+
+# JSONB on PostgreSQL (indexable, compact); JSON text elsewhere.
+Json = JSON().with_variant(JSONB(), "postgresql")
+# 64-bit ids on PostgreSQL; SQLite only auto-increments an INTEGER PRIMARY KEY.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+Timestamp = DateTime(timezone=True)
+
+agents = Table(
+    "agents",
+    metadata,
+    Column("name", String(200), primary_key=True),
+    Column("created_at", Timestamp, nullable=False),
+)
+
+episodes = Table(
+    "episodes",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("agent", String(200), ForeignKey("agents.name"), nullable=False),
+    Column("source", String(64), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("input", Json),
+    Column("output", Json),
+    Column("reward", Float),
+    Column("label", String(64)),
+    Column("error", Text),
+    Column("model", String(200)),
+    Column("adapter", String(200)),
+    Column("started_at", Timestamp, nullable=False),
+    Column("ended_at", Timestamp),
+    Column("metadata", Json),
+    Index("ix_episodes_agent_started", "agent", "started_at"),
+)
+
+steps = Table(
+    "steps",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("episode_id", String(64), ForeignKey("episodes.id", ondelete="CASCADE"), nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("kind", String(8), nullable=False),
+    Column("name", String(200), nullable=False),
+    Column("input", Json),
+    Column("output", Json),
+    Column("error", Text),
+    Column("tool_call_id", String(200)),
+    Column("prompt_tokens", Integer),
+    Column("completion_tokens", Integer),
+    Column("latency_ms", Float),
+    Column("started_at", Timestamp),
+    Column("ended_at", Timestamp),
+    Column("run_id", String(64)),
+    Column("parent_run_id", String(64)),
+    Column("token_ids", Json),
+    UniqueConstraint("episode_id", "seq", name="uq_steps_episode_seq"),
+)
+
+tool_schemas = Table(
+    "tool_schemas",
+    metadata,
+    Column("hash", String(64), primary_key=True),
+    Column("name", String(200), nullable=False),
+    Column("schema", Json, nullable=False),
+    Column("created_at", Timestamp, nullable=False),
+)
+
+episode_tools = Table(
+    "episode_tools",
+    metadata,
+    Column("episode_id", String(64), ForeignKey("episodes.id", ondelete="CASCADE"), primary_key=True),
+    Column("tool_hash", String(64), ForeignKey("tool_schemas.hash"), primary_key=True),
+)
+
+feedback = Table(
+    "feedback",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("episode_id", String(64), ForeignKey("episodes.id", ondelete="CASCADE"), nullable=False),
+    Column("reward", Float),
+    Column("label", String(64)),
+    Column("source", String(64), nullable=False),
+    Column("comment", Text),
+    Column("created_at", Timestamp, nullable=False),
+    Index("ix_feedback_episode", "episode_id"),
+)

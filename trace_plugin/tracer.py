@@ -1,0 +1,125 @@
+"""The framework-neutral tracer: episodes and steps as capture sources see them.
+
+Integrations (LangGraph callbacks, the gateway, the MCP proxy, litellm) translate their
+own events into calls on a :class:`Tracer`; it stamps ids, order and times and submits
+records to the recorder. Nothing here serializes payloads: that happens on the recorder's
+thread, so these calls stay cheap on the agent's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from trace_plugin.recorder import PayloadPolicy, Recorder, default_recorder
+from trace_plugin.trajectory import Episode, EpisodeEnd, EpisodeStatus, Step, new_id
+
+log = logging.getLogger("trace_plugin")
+
+RewardFn = Callable[[Any], float | bool | None]
+
+
+@dataclass(slots=True)
+class ActiveEpisode:
+    """An episode being recorded; hands out step numbers in start order."""
+
+    id: str
+    model: str | None = None
+    _seq: itertools.count = field(default_factory=itertools.count)
+
+    def next_seq(self) -> int:
+        return next(self._seq)  # atomic under the GIL: safe from parallel tool threads
+
+
+class Tracer:
+    """Records episodes of one agent through a recorder (the process default if None)."""
+
+    def __init__(
+        self,
+        agent: str,
+        *,
+        source: str = "api",
+        reward: RewardFn | None = None,
+        redact: Any = None,
+        max_payload_bytes: int | None = None,
+        metadata: dict[str, Any] | None = None,
+        on_episode: Callable[[str], Any] | None = None,
+        recorder: Recorder | None = None,
+    ) -> None:
+        self.agent = agent
+        self.source = source
+        self.reward_fn = reward
+        self.metadata = metadata or {}
+        self.on_episode = on_episode
+        self.policy = PayloadPolicy.of(max_payload_bytes, redact)
+        self._recorder = recorder
+
+    @property
+    def recorder(self) -> Recorder:
+        return self._recorder or default_recorder()
+
+    def start_episode(
+        self,
+        input: Any = None,
+        *,
+        episode_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        model: str | None = None,
+        adapter: str | None = None,
+    ) -> ActiveEpisode:
+        episode = Episode(
+            id=episode_id or new_id(),
+            agent=self.agent,
+            source=self.source,
+            input=input,
+            model=model,
+            adapter=adapter,
+            metadata={**self.metadata, **(metadata or {})},
+        )
+        self.recorder.submit(episode, self.policy)
+        return ActiveEpisode(episode.id, model=model)
+
+    def record_step(self, step: Step) -> None:
+        self.recorder.submit(step, self.policy)
+
+    def end_episode(
+        self,
+        active: ActiveEpisode,
+        *,
+        output: Any = None,
+        error: BaseException | str | None = None,
+        status: EpisodeStatus | None = None,
+        final_state: Any = None,
+    ) -> None:
+        """Close an episode; ``reward=`` of the tracer scores ``final_state`` (or ``output``)."""
+        reward = None
+        if self.reward_fn is not None and error is None:
+            reward = self._score(final_state if final_state is not None else output)
+        if isinstance(error, BaseException):
+            error = f"{type(error).__name__}: {error}"
+        end = EpisodeEnd(
+            active.id,
+            status=status or ("error" if error else "completed"),
+            output=output,
+            reward=reward,
+            error=error,
+            model=active.model,
+        )
+        self.recorder.submit(end, self.policy)
+        if self.on_episode is not None:
+            try:
+                self.on_episode(active.id)
+            except Exception:
+                log.exception("trace-plugin: on_episode callback failed")
+
+    def _score(self, state: Any) -> float | None:
+        try:
+            value = self.reward_fn(state)  # type: ignore[misc]
+        except Exception:
+            log.exception("trace-plugin: reward function failed for agent %r", self.agent)
+            return None
+        return None if value is None else float(value)
+

@@ -1,0 +1,100 @@
+"""The trajectory model: what every capture source records and every later stage reads.
+
+An :class:`Episode` is one run of an agent on one task. Its :class:`Step` list is the
+ordered sequence of LLM calls, tool calls and graph-node executions. :class:`Feedback`
+is a reward or label that arrives after the run (a user rating, a delayed check).
+
+Capture sources build these records and hand them to the recorder; the store returns
+them from queries. LLM steps use the OpenAI chat format for messages and tool calls
+whatever the source, so mining and training see one shape.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+StepKind = Literal["llm", "tool", "node"]
+EpisodeStatus = Literal["running", "completed", "error", "interrupted"]
+
+
+def new_id() -> str:
+    """A fresh episode id: chosen by the client, so callers know it before it is stored."""
+    return uuid.uuid4().hex
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(slots=True)
+class Step:
+    """One event inside an episode; ``seq`` orders steps by their start."""
+
+    episode_id: str
+    seq: int
+    kind: StepKind
+    name: str
+    input: Any = None
+    output: Any = None
+    error: str | None = None
+    tool_call_id: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    latency_ms: float | None = None
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+    run_id: str | None = None
+    parent_run_id: str | None = None
+    token_ids: Any = None
+    # OpenAI-format schemas of the tools offered to an LLM call; stored de-duplicated.
+    tools: list[dict[str, Any]] | None = None
+
+
+@dataclass(slots=True)
+class Episode:
+    """One trajectory. ``reward`` and ``label`` hold the latest known outcome."""
+
+    id: str
+    agent: str
+    source: str = "api"
+    status: EpisodeStatus = "running"
+    input: Any = None
+    output: Any = None
+    reward: float | None = None
+    label: str | None = None
+    error: str | None = None
+    model: str | None = None
+    adapter: str | None = None
+    started_at: datetime = field(default_factory=utcnow)
+    ended_at: datetime | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    steps: list[Step] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EpisodeEnd:
+    """The end of a running episode: an update to the row its start created."""
+
+    episode_id: str
+    status: EpisodeStatus
+    output: Any = None
+    reward: float | None = None
+    label: str | None = None
+    error: str | None = None
+    model: str | None = None
+    ended_at: datetime = field(default_factory=utcnow)
+
+
+@dataclass(slots=True)
+class Feedback:
+    """A delayed reward or label; the latest one also becomes the episode's outcome."""
+
+    episode_id: str
+    reward: float | None = None
+    label: str | None = None
+    source: str = "api"
+    comment: str | None = None
+    created_at: datetime = field(default_factory=utcnow)

@@ -1,0 +1,1 @@
+"""Training of capability experts, routers and gates (needs the ``train`` extra)."""
