@@ -93,11 +93,17 @@ def encode(value: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, redact: Redactor |
     if value is None:
         return None
     text = json.dumps(to_jsonable(value, redact), ensure_ascii=False, allow_nan=False, default=str)
-    size = len(text.encode())
-    if size <= max_bytes:
+    raw = text.encode()
+    if len(raw) <= max_bytes:
         return JsonText(text)
-    preview = text.encode()[: max(0, max_bytes - 100)].decode(errors="ignore")
-    return JsonText(json.dumps({TRUNCATED: True, "bytes": size, "preview": preview}))
+    budget = max(0, max_bytes - 100)
+    while True:  # the preview is escaped inside the marker, so shrink until the marker fits
+        preview = raw[:budget].decode(errors="ignore")
+        marker = json.dumps({TRUNCATED: True, "bytes": len(raw), "preview": preview}, ensure_ascii=False)
+        size = len(marker.encode())
+        if size <= max_bytes or budget == 0:
+            return JsonText(marker)
+        budget = max(0, budget - (size - max_bytes) - 8)
 
 
 def clip_text(value: str | None, max_bytes: int = DEFAULT_MAX_BYTES, redact: Redactor | None = None) -> str | None:

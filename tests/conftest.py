@@ -1,0 +1,85 @@
+"""Shared fixtures: real SQLite files and a fresh database on the real PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from trace_plugin.recorder import Recorder
+
+PG_SERVER = os.environ.get("TRACE_PLUGIN_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+# CI sets this: there a missing PostgreSQL is a failure, not a skip.
+REQUIRE_PG = os.environ.get("TRACE_PLUGIN_REQUIRE_POSTGRES") == "1"
+
+_pg_error: str | None = None
+
+
+def _pg_admin():
+    global _pg_error
+    if _pg_error is not None:
+        return None
+    engine = create_engine(PG_SERVER, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as exc:
+        _pg_error = str(exc).splitlines()[0]
+        return None
+    return engine
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database, dropped afterwards."""
+    admin = _pg_admin()
+    if admin is None:
+        message = f"PostgreSQL at {PG_SERVER} did not answer ({_pg_error}): POSTGRES TESTS NOT RUN"
+        if REQUIRE_PG:
+            pytest.fail(message)
+        warnings.warn(message, stacklevel=1)
+        pytest.skip(message)
+    name = f"trace_test_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    yield PG_SERVER.rsplit("/", 1)[0] + f"/{name}"
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'trace.db'}"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request) -> str:
+    """Each test using it runs once on a SQLite file and once on PostgreSQL."""
+    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+
+
+@pytest.fixture
+def recorder(db_url) -> Iterator[Recorder]:
+    rec = Recorder(db_url, retry_interval=0.05)
+    yield rec
+    rec.close(timeout=10)
+    rec.store.close()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _pg_error is not None:
+        terminalreporter.write_sep("!", f"POSTGRES TESTS SKIPPED: {_pg_error}", red=True, bold=True)
+
+
+@pytest.fixture
+def local_recorder(sqlite_url) -> Iterator[Recorder]:
+    """A recorder on a SQLite file, for tests about capture rather than the database."""
+    rec = Recorder(sqlite_url, retry_interval=0.05)
+    yield rec
+    rec.close(timeout=10)
+    rec.store.close()

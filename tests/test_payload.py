@@ -1,0 +1,88 @@
+"""Payload encoding: any object in, bounded valid JSON out; PII masked."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trace_plugin.payload import Lazy, clip_text, encode, make_redactor, redact_pii, to_jsonable
+
+
+@dataclass
+class Point:
+    x: int
+    y: float
+
+
+class BadRepr:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr for you")
+
+
+def test_to_jsonable_keeps_types_it_can_and_names_the_rest():
+    value = {
+        1: Point(1, 2.5),
+        "when": datetime(2026, 1, 2, tzinfo=UTC),
+        "tags": {"a"},
+        "blob": b"\x00\x01",
+        "nan": math.nan,
+        "err": ValueError("boom"),
+        "bad": BadRepr(),
+        "lazy": Lazy(lambda raw: raw.upper(), "later"),
+    }
+    out = to_jsonable(value)
+    assert out["1"] == {"x": 1, "y": 2.5}
+    assert out["when"] == "2026-01-02T00:00:00+00:00"
+    assert out["tags"] == ["a"] and out["blob"] == {"__type__": "bytes", "length": 2}
+    assert out["nan"] == "nan"
+    assert out["err"] == {"__type__": "ValueError", "error": "boom"}
+    assert out["bad"] == {"__type__": "BadRepr", "repr": "<repr failed: RuntimeError>"}
+    assert out["lazy"] == "LATER"
+    json.dumps(out)
+
+
+def test_self_referencing_values_stop_at_a_depth_limit():
+    loop: list = []
+    loop.append(loop)
+    json.loads(encode(loop))
+
+
+def test_truncation_keeps_valid_json_within_the_limit():
+    text = encode({"big": "é" * 50_000}, max_bytes=1_000)
+    assert len(text.encode()) <= 1_000
+    marker = json.loads(text)
+    assert marker["__truncated__"] is True and marker["bytes"] > 100_000
+    assert clip_text("x" * 5_000, 100).endswith("5000 bytes]")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text() | st.binary(),
+    lambda children: st.lists(children) | st.dictionaries(st.text() | st.integers(), children),
+    max_leaves=30,
+), st.integers(min_value=120, max_value=5_000))
+def test_encode_never_raises_and_respects_the_limit(value, limit):
+    text = encode(value, max_bytes=limit)
+    if text is not None:
+        json.loads(text)
+        assert len(text.encode()) <= limit
+
+
+def test_builtin_redaction_patterns():
+    text = ("mail jane.doe+x@example.co.uk or call +44 20 7946 0958 / (415) 555-0134; "
+            "card 4111-1111-1111-1111, not 4111-1111-1111-1112; order #W1234567 on 2026-11-29, zip 94105")
+    out = redact_pii(text)
+    assert "example.co.uk" not in out and "7946" not in out and "555-0134" not in out
+    assert "[CARD]" in out and "4111-1111-1111-1112" in out  # fails the Luhn check: not a card
+    assert "#W1234567" in out and "2026-11-29" in out and "94105" in out
+
+
+def test_custom_redactor_runs_after_the_builtin_patterns():
+    redact = make_redactor(lambda s: s.replace("Alice", "[NAME]"))
+    assert redact("Alice <alice@x.io>") == "[NAME] <[EMAIL]>"
+    assert make_redactor(None) is None and make_redactor(False) is None
