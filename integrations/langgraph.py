@@ -157,7 +157,8 @@ class TraceCallbackHandler(BaseCallbackHandler):
         run = self._begin(run_id, parent_run_id, inputs, metadata)
         name = kwargs.get("name")
         if not run.is_root and metadata and name and metadata.get("langgraph_node") == name:
-            self._open_step(run, "node", name, parent_run_id, Lazy(to_openai_json, inputs))
+            # The input is the whole graph state, already in earlier steps: only updates are kept.
+            self._open_step(run, "node", name, parent_run_id, None)
 
     def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
         self._close(run_id, output=Lazy(to_openai_json, outputs), final_state=outputs)

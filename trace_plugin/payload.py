@@ -90,9 +90,18 @@ def encode(value: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, redact: Redactor |
 
     A cut payload is still valid JSON: ``{"__truncated__": true, "bytes": N, "preview": ...}``.
     """
+    if isinstance(value, Lazy):
+        value = value.fn(value.arg)
     if value is None:
         return None
-    text = json.dumps(to_jsonable(value, redact), ensure_ascii=False, allow_nan=False, default=str)
+    text = None
+    if redact is None:  # fast path: most payloads are plain JSON already, and C dumps them
+        try:
+            text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError):
+            pass
+    if text is None:
+        text = json.dumps(to_jsonable(value, redact), ensure_ascii=False, allow_nan=False, default=str)
     raw = text.encode()
     if len(raw) <= max_bytes:
         return JsonText(text)

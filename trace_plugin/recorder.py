@@ -84,15 +84,18 @@ class Recorder:
         *,
         max_queue: int = 100_000,
         batch_size: int = 2_000,
+        interval: float = 0.2,
         retry_interval: float = 1.0,
     ) -> None:
         self.store = store if isinstance(store, Store) else Store(store)
         self.max_queue = max_queue
         self.batch_size = batch_size
+        self.interval = interval
         self.retry_interval = retry_interval
         self.written = 0
         self.dropped = 0
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
+        self._wake = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
@@ -120,6 +123,7 @@ class Recorder:
             self._queue.put(marker, timeout=timeout)
         except queue.Full:
             return False
+        self._wake.set()
         return marker.done.wait(timeout)
 
     def close(self, timeout: float | None = 30.0) -> bool:
@@ -128,6 +132,7 @@ class Recorder:
         if self._thread is not None and self._thread.is_alive():
             try:
                 self._queue.put(_STOP, timeout=1)
+                self._wake.set()
                 self._thread.join(timeout=5)
             except queue.Full:
                 pass
@@ -157,29 +162,39 @@ class Recorder:
     # -- writer thread -----------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            batch, markers, stop = [], [], False
+        """Drain the queue every ``interval`` seconds, or at once when a flush asks.
+
+        Waking per record would hand the GIL back and forth with the agent's threads for
+        every event; waking a few times a second keeps the agent's own threads running.
+        """
+        stop = False
+        while not stop:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            batch, markers = [], []
             while True:
-                if item is _STOP:
-                    stop = True
-                elif isinstance(item, _Flush):
-                    markers.append(item)
-                else:
-                    batch.append(item)
-                if stop or len(batch) >= self.batch_size:
-                    break
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-            records = self._encode(batch)
-            if records:
-                self._write_until_stored(records)
+                if item is _STOP:
+                    stop = True
+                    break
+                if isinstance(item, _Flush):
+                    markers.append(item)
+                    continue
+                batch.append(item)
+                if len(batch) >= self.batch_size:
+                    self._store_batch(batch)
+                    batch = []
+            self._store_batch(batch)
             for marker in markers:
                 marker.done.set()
-            if stop:
-                return
+
+    def _store_batch(self, batch: list[tuple[Record, PayloadPolicy]]) -> None:
+        records = self._encode(batch)
+        if records:
+            self._write_until_stored(records)
 
     def _encode(self, batch: list[tuple[Record, PayloadPolicy]]) -> list[Record]:
         records = []

@@ -1,0 +1,178 @@
+"""What capture costs an agent, and how fast the recorder stores events.
+
+Side by side in one run:
+- the same LangGraph agent (``create_agent``, two tools, scripted model) undecorated and
+  decorated, in alternating blocks, with a zero-latency model and with 50 ms latency.
+  The decorated time includes draining the recorder's queue, so no work hides in a backlog;
+- sustained events/s from the recorder into SQLite and into PostgreSQL;
+- events lost anywhere in the run (expected against stored rows).
+
+Usage: python bench/capture_overhead.py [--quick] [--postgres URL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from langchain.agents import create_agent
+from langchain_core.tools import tool
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy import create_engine, text
+
+import trace_plugin
+from integrations.scripted_chat_model import ScriptedChatModel, call_tools_then_answer
+from trace_plugin import Recorder
+from trace_plugin.trajectory import Episode, EpisodeEnd, Step, new_id
+
+EVENTS_PER_RUN = 9  # the episode, 2 model nodes, 2 LLM calls, 2 tool nodes, 2 tool calls
+
+
+@tool
+def get_order(order_id: str) -> str:
+    """Look up an order by id."""
+    return f"order {order_id}: pending, 2 items, ships to 12 Main St"
+
+
+@tool
+def find_user(email: str) -> str:
+    """Find a user by e-mail."""
+    return f"user_{email.split('@')[0]}"
+
+
+def make_agent(latency: float):
+    policy = call_tools_then_answer(("find_user", {"email": "ann@example.com"}), ("get_order", {"order_id": "W123"}))
+    return create_agent(ScriptedChatModel(policy=policy, latency=latency), [get_order, find_user])
+
+
+def time_runs(graph, runs: int, recorder: Recorder | None) -> float:
+    start = time.perf_counter()
+    for i in range(runs):
+        graph.invoke({"messages": [("user", f"where is my order? ticket {i}")]})
+    if recorder is not None:
+        assert recorder.flush(120)
+    return time.perf_counter() - start
+
+
+def overhead(latency: float, runs: int, blocks: int, recorder: Recorder) -> tuple[float, float, float]:
+    """Alternate undecorated and decorated blocks; return (plain s, decorated s, ratio)."""
+    plain = make_agent(latency)
+    decorated = trace_plugin.capture(agent=f"bench-{latency}", recorder=recorder)(make_agent(latency))
+    time_runs(plain, 5, None)  # warm both paths (imports, first compile)
+    time_runs(decorated, 5, recorder)
+    t_plain = t_decorated = 0.0
+    per_block = max(1, runs // blocks)
+    for _ in range(blocks):
+        t_plain += time_runs(plain, per_block, None)
+        t_decorated += time_runs(decorated, per_block, recorder)
+    return t_plain, t_decorated, t_decorated / t_plain
+
+
+def events_per_second(url: str, n_steps: int) -> tuple[float, int]:
+    """Submit episodes of 10 realistic steps from one thread; time until all are stored."""
+    recorder = Recorder(url, batch_size=5_000, max_queue=n_steps * 2)
+    recorder.store.upgrade()
+    args = {"order_id": "W2918841", "reason": "the customer asked to cancel because the item arrived late"}
+    records = []
+    for _ in range(n_steps // 10):
+        episode = Episode(id=new_id(), agent="throughput", input={"messages": [{"role": "user", "content": "hi"}]})
+        records.append(episode)
+        for seq in range(10):
+            records.append(Step(episode.id, seq, "tool", "cancel_pending_order", input=args,
+                                output={"status": "cancelled", "refund": 129.5}, tool_call_id=f"call_{seq}"))
+        records.append(EpisodeEnd(episode.id, "completed", output={"ok": True}, reward=1.0))
+    start = time.perf_counter()
+    for record in records:
+        recorder.submit(record)
+    assert recorder.flush(300)
+    elapsed = time.perf_counter() - start
+    stored = recorder.store.count("steps")
+    recorder.close()
+    recorder.store.close()
+    return len(records) / elapsed, n_steps - stored
+
+
+def fresh_postgres(server: str) -> tuple[str, callable] | None:
+    admin = create_engine(server, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
+    name = f"trace_bench_{uuid.uuid4().hex[:8]}"
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as exc:
+        print(f"PostgreSQL unavailable ({str(exc).splitlines()[0]}): skipping its figure", file=sys.stderr)
+        return None
+
+    def drop() -> None:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+    return server.rsplit("/", 1)[0] + f"/{name}", drop
+
+
+def count_events(recorder: Recorder) -> int:
+    """Rows stored: one per episode, one per step (ends update their episode's row)."""
+    return recorder.store.count("episodes") + recorder.store.count("steps")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a short smoke run (< 1 minute)")
+    parser.add_argument("--postgres", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+    args = parser.parse_args()
+    runs_fast, runs_slow, n_events = (150, 20, 20_000) if args.quick else (1_000, 500, 200_000)
+    console = Console()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        recorder = Recorder(f"sqlite:///{Path(tmp) / 'bench.db'}")
+        recorder.store.upgrade()
+        fast = overhead(0.0, runs_fast, 10, recorder)
+        slow = overhead(0.05, runs_slow, 5, recorder)
+        expected_runs = runs_fast + runs_slow + 10  # + 2 × 5 warm-up runs
+        agent_lost = expected_runs * EVENTS_PER_RUN - count_events(recorder)
+        recorder.close()
+        sqlite_rate, sqlite_lost = events_per_second(f"sqlite:///{Path(tmp) / 'throughput.db'}", n_events)
+
+    pg = fresh_postgres(args.postgres)
+    pg_rate, pg_lost = None, 0
+    if pg is not None:
+        url, drop = pg
+        try:
+            pg_rate, pg_lost = events_per_second(url, n_events)
+        finally:
+            drop()
+
+    lost = agent_lost + sqlite_lost + pg_lost
+    table = Table(title="Capture overhead: decorated vs undecorated, same agent, same run")
+    for col in ("model latency", "runs", "undecorated s", "decorated s", "ratio", "target"):
+        table.add_column(col, justify="right")
+    table.add_row("0 ms", str(runs_fast), f"{fast[0]:.2f}", f"{fast[1]:.2f}", f"{fast[2]:.3f}", "≤ 1.10")
+    table.add_row("50 ms", str(runs_slow), f"{slow[0]:.2f}", f"{slow[1]:.2f}", f"{slow[2]:.3f}", "≤ 1.01")
+    console.print(table)
+    table = Table(title="Recorder throughput (episodes of 10 steps, one submitting thread)")
+    for col in ("store", "events", "events/s", "lost", "target"):
+        table.add_column(col, justify="right")
+    table.add_row("SQLite", str(n_events), f"{sqlite_rate:,.0f}", str(sqlite_lost), "≥ 30,000")
+    table.add_row("PostgreSQL", str(n_events), "—" if pg_rate is None else f"{pg_rate:,.0f}", str(pg_lost), "≥ 15,000")
+    console.print(table)
+    console.print(f"events lost: {agent_lost} of {expected_runs * EVENTS_PER_RUN} from agent runs, "
+                  f"{sqlite_lost + pg_lost} from throughput runs")
+
+    print(json.dumps({
+        "bench": "capture_overhead",
+        "quick": args.quick,
+        "ratio_zero_latency": round(fast[2], 4),
+        "ratio_50ms": round(slow[2], 4),
+        "sqlite_events_per_s": round(sqlite_rate),
+        "postgres_events_per_s": None if pg_rate is None else round(pg_rate),
+        "lost_events": lost,
+    }))
+
+
+if __name__ == "__main__":
+    main()
