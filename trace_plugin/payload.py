@@ -23,6 +23,7 @@ TRUNCATED = "__truncated__"
 _MAX_DEPTH = 64
 
 Redactor = Callable[[str], str]
+_dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode  # one encoder, not one per call
 
 
 class Lazy:
@@ -97,11 +98,11 @@ def encode(value: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, redact: Redactor |
     text = None
     if redact is None:  # fast path: most payloads are plain JSON already, and C dumps them
         try:
-            text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+            text = _dumps(value)
         except (TypeError, ValueError):
             pass
     if text is None:
-        text = json.dumps(to_jsonable(value, redact), ensure_ascii=False, allow_nan=False, default=str)
+        text = _dumps(to_jsonable(value, redact))
     raw = text.encode()
     if len(raw) <= max_bytes:
         return JsonText(text)

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Create .venv and install trace-plugin with the given extras (default: dev).
+# torch is installed first and pinned, so that no extra ever pulls a CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-dev}"
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[${extras}]"
