@@ -47,7 +47,9 @@ def find_user(email: str) -> str:
 
 
 def make_agent(latency: float):
-    policy = call_tools_then_answer(("find_user", {"email": "ann@example.com"}), ("get_order", {"order_id": "W123"}))
+    policy = call_tools_then_answer(
+        ("find_user", {"email": "ann@example.com"}), ("get_order", {"order_id": "W123"})
+    )
     return create_agent(ScriptedChatModel(policy=policy, latency=latency), [get_order, find_user])
 
 
@@ -81,11 +83,22 @@ def events_per_second(url: str, n_steps: int) -> tuple[float, int]:
     args = {"order_id": "W2918841", "reason": "the customer asked to cancel because the item arrived late"}
     records = []
     for _ in range(n_steps // 10):
-        episode = Episode(id=new_id(), agent="throughput", input={"messages": [{"role": "user", "content": "hi"}]})
+        episode = Episode(
+            id=new_id(), agent="throughput", input={"messages": [{"role": "user", "content": "hi"}]}
+        )
         records.append(episode)
         for seq in range(10):
-            records.append(Step(episode.id, seq, "tool", "cancel_pending_order", input=args,
-                                output={"status": "cancelled", "refund": 129.5}, tool_call_id=f"call_{seq}"))
+            records.append(
+                Step(
+                    episode.id,
+                    seq,
+                    "tool",
+                    "cancel_pending_order",
+                    input=args,
+                    output={"status": "cancelled", "refund": 129.5},
+                    tool_call_id=f"call_{seq}",
+                )
+            )
         records.append(EpisodeEnd(episode.id, "completed", output={"ok": True}, reward=1.0))
     start = time.perf_counter()
     for record in records:
@@ -121,7 +134,9 @@ def count_events(recorder: Recorder) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="a short smoke run (< 1 minute)")
     parser.add_argument("--postgres", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
     args = parser.parse_args()
@@ -158,20 +173,28 @@ def main() -> None:
     for col in ("store", "events", "events/s", "lost", "target"):
         table.add_column(col, justify="right")
     table.add_row("SQLite", str(n_events), f"{sqlite_rate:,.0f}", str(sqlite_lost), "≥ 30,000")
-    table.add_row("PostgreSQL", str(n_events), "—" if pg_rate is None else f"{pg_rate:,.0f}", str(pg_lost), "≥ 15,000")
+    table.add_row(
+        "PostgreSQL", str(n_events), "—" if pg_rate is None else f"{pg_rate:,.0f}", str(pg_lost), "≥ 15,000"
+    )
     console.print(table)
-    console.print(f"events lost: {agent_lost} of {expected_runs * EVENTS_PER_RUN} from agent runs, "
-                  f"{sqlite_lost + pg_lost} from throughput runs")
+    console.print(
+        f"events lost: {agent_lost} of {expected_runs * EVENTS_PER_RUN} from agent runs, "
+        f"{sqlite_lost + pg_lost} from throughput runs"
+    )
 
-    print(json.dumps({
-        "bench": "capture_overhead",
-        "quick": args.quick,
-        "ratio_zero_latency": round(fast[2], 4),
-        "ratio_50ms": round(slow[2], 4),
-        "sqlite_events_per_s": round(sqlite_rate),
-        "postgres_events_per_s": None if pg_rate is None else round(pg_rate),
-        "lost_events": lost,
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "capture_overhead",
+                "quick": args.quick,
+                "ratio_zero_latency": round(fast[2], 4),
+                "ratio_50ms": round(slow[2], 4),
+                "sqlite_events_per_s": round(sqlite_rate),
+                "postgres_events_per_s": None if pg_rate is None else round(pg_rate),
+                "lost_events": lost,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

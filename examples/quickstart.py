@@ -41,8 +41,9 @@ def cancel_pending_order(order_id: str) -> str:
 @trace_plugin.capture(agent="quickstart", reward=lambda state: "cancelled" in state["messages"][-1].content)
 def build_agent(order_id: str):
     model = ScriptedChatModel(
-        policy=call_tools_then_answer(("get_order_details", {"order_id": order_id}),
-                                      ("cancel_pending_order", {"order_id": order_id}))
+        policy=call_tools_then_answer(
+            ("get_order_details", {"order_id": order_id}), ("cancel_pending_order", {"order_id": order_id})
+        )
     )
     return create_agent(model, [get_order_details, cancel_pending_order])
 
@@ -66,8 +67,10 @@ def main() -> None:
 
     for summary in oldest_first:
         episode = store.get_episode(summary.id)
-        table = Table(title=f"episode {episode.id}: {episode.status}, reward={episode.reward}, "
-                            f"label={episode.label}", title_justify="left")
+        table = Table(
+            title=f"episode {episode.id}: {episode.status}, reward={episode.reward}, label={episode.label}",
+            title_justify="left",
+        )
         for column in ("#", "kind", "name", "output or error"):
             table.add_column(column, no_wrap=True)
         for step in episode.steps:

@@ -9,6 +9,7 @@ nodes become ``node`` steps. It reaches a graph either bound to it with ``with_c
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any
 from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
-from langchain_core.messages import BaseMessage, ToolMessage, convert_to_openai_messages
+from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, LLMResult
 from langchain_core.runnables import Runnable
 from langchain_core.runnables.config import var_child_runnable_config
@@ -95,7 +96,9 @@ class TraceCallbackHandler(BaseCallbackHandler):
         self._runs[run_id] = run
         return run
 
-    def _open_step(self, run: _Run, kind: StepKind, name: str, parent_run_id: UUID | None, input: Any) -> None:
+    def _open_step(
+        self, run: _Run, kind: StepKind, name: str, parent_run_id: UUID | None, input: Any
+    ) -> None:
         run.kind, run.name, run.input = kind, name, input
         run.seq = run.episode.next_seq()
         run.parent_run_id = str(parent_run_id) if parent_run_id else None
@@ -255,24 +258,55 @@ class TraceCallbackHandler(BaseCallbackHandler):
         self._close(run_id, error=error)
 
 
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "function"}
+
+
+def message_to_openai(message: BaseMessage) -> dict[str, Any]:
+    """One message in OpenAI chat format: the shape every capture source stores.
+
+    Leaner than ``convert_to_openai_messages`` (this runs for every recorded message);
+    content is kept as LangChain holds it, a string or a list of blocks.
+    """
+    out: dict[str, Any] = {"role": _ROLES.get(message.type) or getattr(message, "role", message.type)}
+    out["content"] = message.content
+    if message.name:
+        out["name"] = message.name
+    tool_calls = message.tool_calls if isinstance(message, AIMessage) else None
+    if tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call.get("args", {}))},
+            }
+            for call in tool_calls
+        ]
+    if isinstance(message, ToolMessage):
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
 def to_openai_json(value: Any) -> Any:
     """Messages anywhere inside ``value`` in OpenAI chat format; the rest as it is."""
     if isinstance(value, BaseMessage):
-        return convert_to_openai_messages(value)
+        return message_to_openai(value)
     if isinstance(value, dict):
         return {k: to_openai_json(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [to_openai_json(v) for v in value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):  # e.g. a Command update
         fields = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
-        return {"__type__": type(value).__name__, **{k: to_openai_json(v) for k, v in fields if v is not None}}
+        return {
+            "__type__": type(value).__name__,
+            **{k: to_openai_json(v) for k, v in fields if v is not None},
+        }
     return value
 
 
 def _llm_input(args: tuple[list[BaseMessage], Any]) -> dict[str, Any]:
     messages, tools = args
     names = [_tool_name(t) for t in tools] if tools else []
-    return {"messages": convert_to_openai_messages(messages), "tools": names}
+    return {"messages": [message_to_openai(m) for m in messages], "tools": names}
 
 
 def _tool_name(tool: Any) -> str:

@@ -58,7 +58,9 @@ def opaque(order_id: str) -> Any:
     return Opaque()
 
 
-SUMMARIZER = ScriptedChatModel(policy=lambda messages: AIMessage(content="summary: all good"), model_name="summarizer")
+SUMMARIZER = ScriptedChatModel(
+    policy=lambda messages: AIMessage(content="summary: all good"), model_name="summarizer"
+)
 
 
 @tool

@@ -43,12 +43,17 @@ def test_invoke_records_one_episode_with_ordered_steps(kind, recorder):
     assert first_llm.prompt_tokens is not None and first_llm.latency_ms >= 0
     # The final state is recorded in OpenAI message format.
     assert episode.output["messages"][-1] == {"role": "assistant", "content": last_text(state)}
-    assert {t["function"]["name"] for t in recorder.store.tool_schemas("support")} >= {"get_order", "find_user"}
+    assert {t["function"]["name"] for t in recorder.store.tool_schemas("support")} >= {
+        "get_order",
+        "find_user",
+    }
 
 
 def test_parallel_tool_calls_are_paired_by_call_id_not_position(local_recorder):
     calls = [("get_order", {"order_id": f"O-{i}"}) for i in range(6)]
-    graph = trace_plugin.capture(agent="par", recorder=local_recorder)(build("create_react_agent", model_for(*calls)))
+    graph = trace_plugin.capture(agent="par", recorder=local_recorder)(
+        build("create_react_agent", model_for(*calls))
+    )
     graph.invoke(user("check six orders"))
 
     [episode] = episodes_of(local_recorder)
@@ -76,13 +81,14 @@ def test_llm_called_inside_a_tool_belongs_to_the_same_episode(local_recorder):
 
 
 def test_tool_errors_are_recorded_raised_and_handled(local_recorder):
-    from langgraph.prebuilt import ToolNode
-
     from agents import TOOLS
+    from langgraph.prebuilt import ToolNode
 
     model = model_for(("broken", {"order_id": "O-1"}), ("refuse", {"order_id": "O-2"}))
     tools = ToolNode(TOOLS, handle_tool_errors=True)  # the agent turns errors into messages
-    graph = trace_plugin.capture(agent="errors", recorder=local_recorder)(build("create_react_agent", model, tools))
+    graph = trace_plugin.capture(agent="errors", recorder=local_recorder)(
+        build("create_react_agent", model, tools)
+    )
     graph.invoke(user("cancel both"))
 
     [episode] = episodes_of(local_recorder)
@@ -221,7 +227,9 @@ def _echo_order_model(latency: float):
         if messages[-1].type == "tool":
             return AIMessage(content=f"Done. {messages[-1].content}")
         order_id = messages[0].content
-        return AIMessage(content="", tool_calls=[{"name": "get_order", "args": {"order_id": order_id}, "id": "c1"}])
+        return AIMessage(
+            content="", tool_calls=[{"name": "get_order", "args": {"order_id": order_id}, "id": "c1"}]
+        )
 
     return ScriptedChatModel(policy=policy, latency=latency)
 
@@ -245,7 +253,9 @@ def test_eight_concurrent_threads_stay_separate(kind, recorder):
 
 
 async def test_eight_concurrent_tasks_stay_separate(recorder):
-    graph = trace_plugin.capture(agent="tasks", recorder=recorder)(build("create_agent", _echo_order_model(0.01)))
+    graph = trace_plugin.capture(agent="tasks", recorder=recorder)(
+        build("create_agent", _echo_order_model(0.01))
+    )
     await asyncio.gather(*(graph.ainvoke(user(f"A{i}")) for i in range(8)))
     await asyncio.gather(*(_consume(graph.astream(user(f"S{i}"))) for i in range(8)))
     _assert_separated(episodes_of(recorder), 16)

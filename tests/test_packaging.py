@@ -24,7 +24,8 @@ import trace_plugin
 assert 'langchain_core' not in sys.modules, 'import trace_plugin pulled in LangChain'
 from agents import build, model_for, user
 trace_plugin.configure('sqlite:///{tmp_path / "light.db"}')
-graph = trace_plugin.capture(agent='light')(build('create_agent', model_for(('get_order', {{'order_id': '1'}}))))
+model = model_for(('get_order', {{'order_id': '1'}}))
+graph = trace_plugin.capture(agent='light')(build('create_agent', model))
 graph.invoke(user('hi'))
 assert trace_plugin.flush(10)
 print(' '.join(m for m in {HEAVY!r} if m in sys.modules) or 'LIGHT')

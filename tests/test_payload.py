@@ -61,11 +61,14 @@ def test_truncation_keeps_valid_json_within_the_limit():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text() | st.binary(),
-    lambda children: st.lists(children) | st.dictionaries(st.text() | st.integers(), children),
-    max_leaves=30,
-), st.integers(min_value=120, max_value=5_000))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text() | st.binary(),
+        lambda children: st.lists(children) | st.dictionaries(st.text() | st.integers(), children),
+        max_leaves=30,
+    ),
+    st.integers(min_value=120, max_value=5_000),
+)
 def test_encode_never_raises_and_respects_the_limit(value, limit):
     text = encode(value, max_bytes=limit)
     if text is not None:
@@ -74,8 +77,10 @@ def test_encode_never_raises_and_respects_the_limit(value, limit):
 
 
 def test_builtin_redaction_patterns():
-    text = ("mail jane.doe+x@example.co.uk or call +44 20 7946 0958 / (415) 555-0134; "
-            "card 4111-1111-1111-1111, not 4111-1111-1111-1112; order #W1234567 on 2026-11-29, zip 94105")
+    text = (
+        "mail jane.doe+x@example.co.uk or call +44 20 7946 0958 / (415) 555-0134; "
+        "card 4111-1111-1111-1111, not 4111-1111-1111-1112; order #W1234567 on 2026-11-29, zip 94105"
+    )
     out = redact_pii(text)
     assert "example.co.uk" not in out and "7946" not in out and "555-0134" not in out
     assert "[CARD]" in out and "4111-1111-1111-1112" in out  # fails the Luhn check: not a card

@@ -69,8 +69,13 @@ def test_concurrent_first_use_creates_the_schema_once(tmp_path):
     url = f"sqlite:///{tmp_path / 'fresh.db'}"
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{HERE.parent}"}
     procs = [
-        subprocess.Popen([sys.executable, str(HERE / "capture_proc.py"), url, f"p{i}", "3"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, str(HERE / "capture_proc.py"), url, f"p{i}", "3"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for i in range(4)
     ]
     outputs = [p.communicate(timeout=120) for p in procs]

@@ -137,7 +137,12 @@ def test_redacted_values_never_reach_the_database(db_url):
 def test_records_the_database_rejects_are_dropped_alone(local_recorder):
     good = Episode(id=new_id(), agent="a")
     orphan = Step(episode_id="no-such-episode", seq=0, kind="tool", name="t")
-    for record in (good, orphan, Step(episode_id=good.id, seq=0, kind="tool", name="t"), EpisodeEnd(good.id, "completed")):
+    for record in (
+        good,
+        orphan,
+        Step(episode_id=good.id, seq=0, kind="tool", name="t"),
+        EpisodeEnd(good.id, "completed"),
+    ):
         local_recorder.submit(record)
     assert local_recorder.flush(10)
     assert local_recorder.dropped == 1 and local_recorder.written == 3
@@ -148,3 +153,32 @@ def test_records_the_database_rejects_are_dropped_alone(local_recorder):
 def test_feedback_needs_an_outcome():
     with pytest.raises(ValueError, match="reward or a label"):
         trace_plugin.feedback("some-episode")
+
+
+def test_non_json_tool_result_is_recorded_and_the_agent_continues(local_recorder):
+    graph = trace_plugin.capture(agent="opaque-tool", recorder=local_recorder)(
+        build("create_agent", model_for(("opaque", {"order_id": "O-1"})))
+    )
+    state = graph.invoke(user("give me the thing"))
+    assert "<Opaque thing>" in state["messages"][-1].content
+    assert local_recorder.flush(10)
+    episode = local_recorder.store.get_episode(local_recorder.store.list_episodes("opaque-tool")[0].id)
+    [tool] = [s for s in episode.steps if s.kind == "tool"]
+    assert tool.error is None and "<Opaque thing>" in str(tool.output)
+    assert episode.status == "completed"
+
+
+def test_a_forked_child_records_through_its_own_writer(sqlite_url):
+    import os
+
+    rec = Recorder(sqlite_url)
+    rec.submit(Episode(id=new_id(), agent="parent"))
+    assert rec.flush(10)  # the parent's writer thread and connections exist before the fork
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        rec.submit(Episode(id=new_id(), agent="child"))
+        os._exit(0 if rec.flush(10) else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert {s.agent for s in rec.store.stats()} == {"parent", "child"}
+    rec.close()

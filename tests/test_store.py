@@ -28,8 +28,12 @@ def test_round_trip_and_queries(db_url):
     store.upgrade()
     store.upgrade()  # idempotent
     t0 = datetime(2026, 1, 1, tzinfo=UTC)
-    runs = [make_run("a", 1.0, started=t0), make_run("a", 0.0, started=t0 + timedelta(seconds=1)),
-            make_run("a", None, started=t0 + timedelta(seconds=2)), make_run("b", 0.5, "success", started=t0)]
+    runs = [
+        make_run("a", 1.0, started=t0),
+        make_run("a", 0.0, started=t0 + timedelta(seconds=1)),
+        make_run("a", None, started=t0 + timedelta(seconds=2)),
+        make_run("b", 0.5, "success", started=t0),
+    ]
     for records in runs:
         store.write(records)
 
@@ -38,6 +42,7 @@ def test_round_trip_and_queries(db_url):
     assert newest[0].started_at.tzinfo is not None
 
     episode = store.get_episode(runs[0][0].id)
+    assert episode.started_at == t0 and episode.input == {"q": "hi"}
     assert [s.kind for s in episode.steps] == ["llm", "tool"]
     assert episode.steps[1].tool_call_id == "c1" and episode.output == {"a": 1}
     assert store.get_episode("missing") is None
@@ -98,8 +103,11 @@ def test_read_then_write_transactions_do_not_hit_database_is_locked(sqlite_url):
                     last = conn.execute(
                         select(func.max(tables.steps.c.seq)).where(tables.steps.c.episode_id == episode.id)
                     ).scalar()
-                    conn.execute(insert(tables.steps).values(
-                        episode_id=episode.id, seq=(last or 0) + 1, kind="node", name="n"))
+                    conn.execute(
+                        insert(tables.steps).values(
+                            episode_id=episode.id, seq=(last or 0) + 1, kind="node", name="n"
+                        )
+                    )
             except Exception as exc:
                 errors.append(exc)
 

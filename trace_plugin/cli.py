@@ -12,7 +12,9 @@ from rich.table import Table
 from trace_plugin.store import DB_URL_ENV, Store
 from trace_plugin.trajectory import Episode
 
-app = typer.Typer(help="Capture agent trajectories and improve agents from them (TRACE).", no_args_is_help=True)
+app = typer.Typer(
+    help="Capture agent trajectories and improve agents from them (TRACE).", no_args_is_help=True
+)
 db_app = typer.Typer(help="Database schema.", no_args_is_help=True)
 episodes_app = typer.Typer(help="Recorded episodes.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
@@ -22,7 +24,9 @@ console = Console()
 
 DbOption = Annotated[
     str | None,
-    typer.Option("--db", envvar=DB_URL_ENV, help="SQLAlchemy URL; default: a SQLite file in ~/.trace-plugin."),
+    typer.Option(
+        "--db", envvar=DB_URL_ENV, help="SQLAlchemy URL; default: a SQLite file in ~/.trace-plugin."
+    ),
 ]
 
 
@@ -68,8 +72,14 @@ def episodes_list(
         table.add_column(column, no_wrap=column == "id")
     for e in episodes:
         table.add_row(
-            e.id, e.agent, _fmt_time(e.started_at), _status(e), _fmt_num(e.reward), e.label or "—",
-            e.model or "—", e.source,
+            e.id,
+            e.agent,
+            _fmt_time(e.started_at),
+            _status(e),
+            _fmt_num(e.reward),
+            e.label or "—",
+            e.model or "—",
+            e.source,
         )
     console.print(table)
 
@@ -101,12 +111,19 @@ def episodes_show(episode_id: str, db: DbOption = None) -> None:
     for s in episode.steps:
         result = f"[red]{_short(s.error, 60)}[/]" if s.error else _short(s.output, 60)
         table.add_row(
-            str(s.seq), s.kind, s.name, s.tool_call_id or "", _fmt_num(s.latency_ms, 1),
-            _short(s.input, 50), result,
+            str(s.seq),
+            s.kind,
+            s.name,
+            s.tool_call_id or "",
+            _fmt_num(s.latency_ms, 1),
+            _short(s.input, 50),
+            result,
         )
     console.print(table)
     for f in store.feedback_for(episode_id):
-        console.print(f"feedback ({f.source}): reward={_fmt_num(f.reward)} label={f.label or '—'} {f.comment or ''}")
+        console.print(
+            f"feedback ({f.source}): reward={_fmt_num(f.reward)} label={f.label or '—'} {f.comment or ''}"
+        )
 
 
 @app.command("stats")
@@ -118,5 +135,7 @@ def stats(db: DbOption = None) -> None:
         table.add_column(column, justify="left" if column == "agent" else "right")
     for r in rows:
         rate = "—" if r.success_rate is None else f"{r.success_rate:.1%}"
-        table.add_row(r.agent, str(r.episodes), str(r.finished), str(r.with_outcome), rate, _fmt_num(r.mean_reward))
+        table.add_row(
+            r.agent, str(r.episodes), str(r.finished), str(r.with_outcome), rate, _fmt_num(r.mean_reward)
+        )
     console.print(table)

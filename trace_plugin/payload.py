@@ -7,6 +7,7 @@ recorder's thread, so the agent never pays for it and never sees it fail.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -86,7 +87,9 @@ def _opaque(value: Any, redact: Redactor | None) -> dict[str, Any]:
     return {"__type__": type(value).__qualname__, "repr": redact(text) if redact else text}
 
 
-def encode(value: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, redact: Redactor | None = None) -> JsonText | None:
+def encode(
+    value: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, redact: Redactor | None = None
+) -> JsonText | None:
     """Serialize ``value`` for the store, cutting it to ``max_bytes`` with a marker.
 
     A cut payload is still valid JSON: ``{"__truncated__": true, "bytes": N, "preview": ...}``.
@@ -97,10 +100,8 @@ def encode(value: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, redact: Redactor |
         return None
     text = None
     if redact is None:  # fast path: most payloads are plain JSON already, and C dumps them
-        try:
+        with contextlib.suppress(TypeError, ValueError):
             text = _dumps(value)
-        except (TypeError, ValueError):
-            pass
     if text is None:
         text = _dumps(to_jsonable(value, redact))
     raw = text.encode()
@@ -116,7 +117,9 @@ def encode(value: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, redact: Redactor |
         budget = max(0, budget - (size - max_bytes) - 8)
 
 
-def clip_text(value: str | None, max_bytes: int = DEFAULT_MAX_BYTES, redact: Redactor | None = None) -> str | None:
+def clip_text(
+    value: str | None, max_bytes: int = DEFAULT_MAX_BYTES, redact: Redactor | None = None
+) -> str | None:
     """A plain-text column (errors) bounded and redacted like JSON payloads."""
     if value is None:
         return None

@@ -145,9 +145,10 @@ class Recorder:
         with self._lock:
             if self._thread is not None and self._pid == os.getpid():
                 return
-            if self._pid != os.getpid():  # forked child: the parent's thread and queue are not ours
-                self._pid = os.getpid()
+            if self._pid != os.getpid():  # forked child: the parent's thread, queue and
+                self._pid = os.getpid()  # connections are not ours
                 self._queue = queue.Queue(maxsize=self.max_queue)
+                self.store.engine.dispose(close=False)
             thread = threading.Thread(target=self._run, name="trace-plugin-writer", daemon=True)
             thread.start()
             self._thread = thread

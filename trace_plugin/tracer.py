@@ -122,4 +122,3 @@ class Tracer:
             log.exception("trace-plugin: reward function failed for agent %r", self.agent)
             return None
         return None if value is None else float(value)
-
