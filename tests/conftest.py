@@ -63,23 +63,25 @@ def db_url(request) -> str:
     return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
 
 
-@pytest.fixture
-def recorder(db_url) -> Iterator[Recorder]:
-    rec = Recorder(db_url, retry_interval=0.05)
+def _recorder(url: str) -> Iterator[Recorder]:
+    rec = Recorder(url, retry_interval=0.05)
     yield rec
     rec.close(timeout=10)
     rec.store.close()
+
+
+@pytest.fixture
+def recorder(db_url) -> Iterator[Recorder]:
+    yield from _recorder(db_url)
+
+
+@pytest.fixture
+def local_recorder(sqlite_url) -> Iterator[Recorder]:
+    """A recorder on a SQLite file, for tests about capture rather than the database."""
+    yield from _recorder(sqlite_url)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
     if _pg_error is not None:
         terminalreporter.write_sep("!", f"POSTGRES TESTS SKIPPED: {_pg_error}", red=True, bold=True)
 
-
-@pytest.fixture
-def local_recorder(sqlite_url) -> Iterator[Recorder]:
-    """A recorder on a SQLite file, for tests about capture rather than the database."""
-    rec = Recorder(sqlite_url, retry_interval=0.05)
-    yield rec
-    rec.close(timeout=10)
-    rec.store.close()

@@ -98,9 +98,12 @@ class Store:
         batch may hold a whole run. Raises on any failure, and then nothing is written.
         """
         with self.engine.begin() as conn:
-            self._write(conn, records)
+            new_agents, new_tools = self._write(conn, records)
+        # Remembered only once committed: a rolled-back batch must insert them again.
+        self._known_agents |= new_agents
+        self._known_tools |= new_tools
 
-    def _write(self, conn: Connection, records: Sequence[Record]) -> None:
+    def _write(self, conn: Connection, records: Sequence[Record]) -> tuple[set[str], set[str]]:
         started = [r for r in records if isinstance(r, Episode)]
         step_rows = [r for r in records if isinstance(r, Step)]
         ends = [r for r in records if isinstance(r, EpisodeEnd)]
@@ -115,15 +118,17 @@ class Store:
             self._bulk_insert(conn, t.episodes, _EPISODE_COLUMNS, started)
         if ends:
             conn.execute(_END_EPISODE, [_end_row(e) for e in ends])
+        new_tools: set[str] = set()
         if step_rows:
             self._bulk_insert(conn, t.steps, _STEP_COLUMNS, step_rows)
-            self._write_tools(conn, step_rows)
+            new_tools = self._write_tools(conn, step_rows)
         if feedback:
             conn.execute(t.feedback.insert(), [_to_row(f, _FEEDBACK_COLUMNS) for f in feedback])
             conn.execute(_APPLY_FEEDBACK, [_end_row(f) for f in feedback])
-        self._known_agents |= new_agents
+        return new_agents, new_tools
 
-    def _write_tools(self, conn: Connection, step_rows: Iterable[Step]) -> None:
+    def _write_tools(self, conn: Connection, step_rows: Iterable[Step]) -> set[str]:
+        """Store unseen tool schemas once and link each to its episodes; returns new hashes."""
         schemas: dict[str, dict[str, Any]] = {}
         links: set[tuple[str, str]] = set()
         for s in step_rows:
@@ -132,20 +137,20 @@ class Store:
                 schemas[h] = schema
                 links.add((s.episode_id, h))
         if not links:
-            return
-        new = [h for h in schemas if h not in self._known_tools]
+            return set()
+        new = {h for h in schemas if h not in self._known_tools}
         if new:
             now = utcnow()
             rows = [
                 {"hash": h, "name": _tool_name(schemas[h]), "schema": schemas[h], "created_at": now}
-                for h in new
+                for h in sorted(new)
             ]
             conn.execute(self._insert_ignore(t.tool_schemas), rows)
         conn.execute(
             self._insert_ignore(t.episode_tools),
             [{"episode_id": e, "tool_hash": h} for e, h in sorted(links)],
         )
-        self._known_tools.update(new)
+        return new
 
     def _bulk_insert(
         self, conn: Connection, table: t.Table, columns: tuple[str, ...], records: Sequence[Record]
