@@ -84,4 +84,3 @@ def local_recorder(sqlite_url) -> Iterator[Recorder]:
 def pytest_terminal_summary(terminalreporter) -> None:
     if _pg_error is not None:
         terminalreporter.write_sep("!", f"POSTGRES TESTS SKIPPED: {_pg_error}", red=True, bold=True)
-

@@ -1,0 +1,454 @@
+"""The gateway serving the real SmolLM2-135M: OpenAI contract, adapters, hot-swap, capture."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from gateway_support import make_adapter
+from openai import OpenAI
+
+from trace_plugin import Recorder
+from trace_plugin.gateway.app import GatewayConfig, create_app
+from trace_plugin.gateway.embedded import EmbeddedBackend
+from trace_plugin.gateway.routing import KeywordRouter
+from trace_plugin.gateway.server import start_in_thread
+
+pytestmark = pytest.mark.slow
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_order",
+            "description": "Look up an order",
+            "parameters": {
+                "type": "object",
+                "properties": {"order_id": {"type": "string"}},
+                "required": ["order_id"],
+            },
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def backend() -> EmbeddedBackend:
+    return EmbeddedBackend(max_batch=8)
+
+
+@pytest.fixture(scope="module")
+def adapter_root(backend, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("adapters")
+    make_adapter(backend.model_dir, root / "alpha" / "1", seed=1)
+    make_adapter(backend.model_dir, root / "alpha" / "2", seed=2)
+    make_adapter(backend.model_dir, root / "beta" / "1", seed=3)
+    return root
+
+
+@pytest.fixture(scope="module")
+def gateway(backend, adapter_root, tmp_path_factory):
+    recorder = Recorder(f"sqlite:///{tmp_path_factory.mktemp('db') / 'gw.db'}")
+    router = KeywordRouter([(["refund", "return"], "beta")])
+    app = create_app(
+        backend,
+        config=GatewayConfig(adapter_root=adapter_root, agent="support", agent_aliases={"support-bot"}),
+        router=router,
+        recorder=recorder,
+    )
+    with start_in_thread(app) as server:
+        server.recorder = recorder
+        yield server
+    recorder.close()
+
+
+@pytest.fixture
+def client(gateway) -> OpenAI:
+    return OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+
+
+def admin(gateway, path: str, **body) -> httpx.Response:
+    return httpx.post(f"{gateway.url}/v1/{path}", json=body, timeout=60)
+
+
+def ensure_loaded(gateway, name: str, path: str) -> None:
+    live = httpx.get(f"{gateway.url}/v1/lora_adapters").json()["loaded"]
+    if name not in live:
+        r = admin(gateway, "load_lora_adapter", lora_name=name, lora_path=path)
+        assert r.status_code == 200, r.text
+
+
+def greedy(client, model: str, text: str, max_tokens: int = 12, **extra):
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": text}],
+        temperature=0,
+        max_tokens=max_tokens,
+        **extra,
+    )
+
+
+# -- the OpenAI contract ------------------------------------------------------------------
+
+
+def test_models_and_health(client, gateway, backend):
+    ids = [m.id for m in client.models.list().data]
+    assert ids[0] == backend.model_id
+    assert httpx.get(gateway.url + "/health").json()["status"] == "ok"
+
+
+def test_chat_with_tools_answers_in_openai_shape(client, backend):
+    response = client.chat.completions.create(
+        model=backend.model_id,
+        messages=[
+            {"role": "system", "content": "You help with orders."},
+            {"role": "user", "content": "Where is W1?"},
+        ],
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=40,
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.role == "assistant"
+    assert (choice.message.content or choice.message.tool_calls) is not None
+    assert response.usage.prompt_tokens > 100  # the tools section was rendered into the prompt
+    assert response.model == backend.model_id
+
+
+def test_api_output_equals_direct_generate(client, backend):
+    """Same prompt, greedy: the gateway returns exactly the tokens model.generate returns."""
+    import torch
+
+    messages = [{"role": "user", "content": "Name three colors."}]
+    response = greedy(
+        client, backend.model_id, "Name three colors.", max_tokens=16, extra_body={"return_token_ids": True}
+    )
+    prompt = backend.render(messages, None)
+    enc = backend.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    with torch.inference_mode():
+        direct = backend.model.generate(
+            **enc,
+            max_new_tokens=16,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=backend.tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        )
+    direct_ids = direct[0, enc.input_ids.shape[1] :].tolist()
+    data = response.model_dump()
+    assert data["prompt_token_ids"] == enc.input_ids[0].tolist()
+    assert data["choices"][0]["token_ids"] == direct_ids
+    assert response.choices[0].message.content == backend.tokenizer.decode(
+        direct_ids, skip_special_tokens=True
+    )
+
+
+def test_concurrent_requests_are_batched_without_changing_answers(client, backend):
+    prompts = [f"Repeat the number {d}{d}{d}." for d in range(1, 7)]  # equal token lengths: no padding
+    solo = [greedy(client, backend.model_id, p).choices[0].message.content for p in prompts]
+    results: dict[int, str] = {}
+
+    def run(i):
+        results[i] = greedy(client, backend.model_id, prompts[i]).choices[0].message.content
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(len(prompts))] == solo
+
+
+def test_streaming_and_completions(client, backend):
+    chunks = list(
+        client.chat.completions.create(
+            model=backend.model_id,
+            messages=[{"role": "user", "content": "Say hello."}],
+            temperature=0,
+            max_tokens=8,
+            stream=True,
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == greedy(client, backend.model_id, "Say hello.", max_tokens=8).choices[0].message.content
+    assert chunks[-1].usage is not None or chunks[-2].choices[0].finish_reason in ("stop", "length")
+    completion = client.completions.create(
+        model=backend.model_id, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=True
+    )
+    assert "Paris" in completion.choices[0].text
+
+
+def test_logprobs_and_token_ids(client, backend):
+    response = greedy(
+        client, backend.model_id, "Hi", max_tokens=5, logprobs=True, extra_body={"return_token_ids": True}
+    )
+    data = response.model_dump()
+    entries = data["choices"][0]["logprobs"]["content"]
+    assert [e["token_id"] for e in entries] == data["choices"][0]["token_ids"]
+    assert all(e["logprob"] <= 0 for e in entries)
+
+
+# -- malformed requests ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ({"model": "x"}, 400, "messages"),
+        ({"model": "SmolLM2-135M-Instruct", "messages": []}, 400, "messages"),
+        ({"model": "SmolLM2-135M-Instruct", "messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
+        (
+            {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "tool", "content": "x"}]},
+            400,
+            "tool_call_id",
+        ),
+        (
+            {
+                "model": "SmolLM2-135M-Instruct",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 10**6,
+            },
+            400,
+            "max_tokens",
+        ),
+        (
+            {
+                "model": "SmolLM2-135M-Instruct",
+                "messages": [{"role": "user", "content": "hi"}],
+                "temperature": -1,
+            },
+            400,
+            "temperature",
+        ),
+        (
+            {
+                "model": "SmolLM2-135M-Instruct",
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+            },
+            400,
+            "object",
+        ),
+        (
+            {
+                "model": "SmolLM2-135M-Instruct",
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "bad name!"}}],
+            },
+            400,
+            "name",
+        ),
+        ({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
+    ],
+)
+def test_malformed_requests_get_clear_4xx(gateway, body, status, needle):
+    r = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+def test_non_json_and_oversized_bodies(gateway):
+    r = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        content=b"x" * (9 * 1024 * 1024),
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 413
+
+
+# -- adapters --------------------------------------------------------------------------------
+
+
+def test_two_adapters_selected_per_request(client, gateway, backend):
+    ensure_loaded(gateway, "alpha@1", "alpha/1")
+    ensure_loaded(gateway, "beta@1", "beta/1")
+    ids = {m.id: m for m in client.models.list().data}
+    assert {"alpha", "beta", "alpha@1", "beta@1"} <= set(ids) and ids["alpha"].model_dump()[
+        "parent"
+    ] == backend.model_id
+
+    base = greedy(client, backend.model_id, "Tell me a fact.")
+    alpha = greedy(client, "alpha", "Tell me a fact.")
+    beta = greedy(client, "beta@1", "Tell me a fact.")
+    assert alpha.model == "alpha@1" and beta.model == "beta@1" and base.model == backend.model_id
+    contents = {
+        base.choices[0].message.content,
+        alpha.choices[0].message.content,
+        beta.choices[0].message.content,
+    }
+    assert len(contents) == 3, "each adapter must change the output"
+
+    # Mixed in one batch, each row still goes through its own adapter.
+    results = {}
+
+    def run(model):
+        results[model] = greedy(client, model, "Tell me a fact.").choices[0].message.content
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in (backend.model_id, "alpha", "beta")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {
+        backend.model_id: base.choices[0].message.content,
+        "alpha": alpha.choices[0].message.content,
+        "beta": beta.choices[0].message.content,
+    }
+
+
+def test_router_picks_the_adapter_for_agent_requests(client, gateway):
+    ensure_loaded(gateway, "beta@1", "beta/1")
+    routed = greedy(client, "support", "I want a refund for my order.")
+    assert routed.model == "beta@1"
+    unrouted = greedy(client, "support-bot", "Where is my order?")
+    assert unrouted.model != "beta@1"
+    raw = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        json={"model": "support", "messages": [{"role": "user", "content": "return this"}], "max_tokens": 2},
+    )
+    assert raw.headers["x-trace-adapter"] == "beta@1"
+
+
+def test_hot_swap_under_load_drops_nothing_and_rolls_back(client, gateway):
+    ensure_loaded(gateway, "alpha@1", "alpha/1")
+    failures, served = [], []
+    stop = threading.Event()
+
+    def worker():
+        while not stop.is_set():
+            try:
+                served.append(greedy(client, "alpha", "Hello!", max_tokens=3).model)
+            except Exception as exc:  # any failed request fails the test
+                failures.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    while len(served) < 16:
+        threading.Event().wait(0.05)
+    r = admin(gateway, "load_lora_adapter", lora_name="alpha@2", lora_path="alpha/2")
+    assert r.status_code == 200, r.text
+    mark = len(served)
+    while len(served) < mark + 16:
+        threading.Event().wait(0.05)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert failures == []
+    assert served[-1] == "alpha@2" and "alpha@1" in served
+    assert all(m == "alpha@2" for m in served[mark + 8 :]), "the new version serves once it is live"
+    # The old version was unloaded once drained; rollback brings it back in one call.
+    state = httpx.get(f"{gateway.url}/v1/lora_adapters").json()
+    assert "alpha@1" not in state["loaded"] and state["live"]["alpha"] == "alpha@2"
+    r = admin(gateway, "rollback_lora_adapter", lora_name="alpha")
+    assert r.status_code == 200 and "alpha@1" in r.text
+    assert greedy(client, "alpha", "Hello!", max_tokens=3).model == "alpha@1"
+
+
+def test_unload_and_unknown_adapter(client, gateway):
+    ensure_loaded(gateway, "beta@1", "beta/1")
+    assert admin(gateway, "unload_lora_adapter", lora_name="beta").status_code == 200
+    assert "beta" not in {m.id for m in client.models.list().data}
+    assert admin(gateway, "unload_lora_adapter", lora_name="beta").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("path", "status"),
+    [("../outside", 403), ("/etc", 403), ("missing/9", 404), ("escape", 403), ("broken", 400)],
+)
+def test_adapter_paths_are_confined_to_the_root(
+    gateway, backend, adapter_root, tmp_path_factory, path, status
+):
+    if path == "escape" and not (adapter_root / "escape").exists():  # a symlink inside the root leading out
+        outside = make_adapter(backend.model_dir, tmp_path_factory.mktemp("outside") / "a", seed=5)
+        (adapter_root / "escape").symlink_to(outside)
+    if path == "broken":
+        (adapter_root / "broken").mkdir(exist_ok=True)
+        (adapter_root / "broken" / "adapter_config.json").write_text("{not json")
+    r = admin(gateway, "load_lora_adapter", lora_name=f"x{status}@1", lora_path=path)
+    assert r.status_code == status, r.text
+
+
+async def test_admin_needs_the_token_and_loopback(backend, adapter_root):
+    app = create_app(
+        backend, config=GatewayConfig(adapter_root=adapter_root, admin_token="s3cret", record=False)
+    )
+    body = {"lora_name": "gamma@1", "lora_path": "beta/1"}
+    local = httpx.ASGITransport(app=app, client=("127.0.0.1", 5000))
+    remote = httpx.ASGITransport(app=app, client=("10.1.2.3", 5000))
+    async with httpx.AsyncClient(transport=local, base_url="http://gw") as c:
+        r = await c.post("/v1/load_lora_adapter", json=body)
+        assert r.status_code == 401
+        r = await c.post("/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+    async with httpx.AsyncClient(transport=remote, base_url="http://gw") as c:
+        r = await c.post("/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 403
+    async with httpx.AsyncClient(transport=local, base_url="http://gw") as c:
+        r = await c.post("/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200, r.text
+        r = await c.post(
+            "/v1/unload_lora_adapter", json={"lora_name": "gamma"}, headers={"Authorization": "Bearer s3cret"}
+        )
+        assert r.status_code == 200
+    await asyncio.sleep(0)
+
+
+# -- capture -----------------------------------------------------------------------------
+
+
+def test_calls_are_recorded_and_grouped_into_conversations(client, gateway, backend):
+    recorder = gateway.recorder
+    first = [
+        {"role": "system", "content": "You look up orders."},
+        {"role": "user", "content": "Where is W42?"},
+    ]
+    r1 = client.chat.completions.create(
+        model=backend.model_id,
+        messages=first,
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=30,
+        extra_headers={"X-Trace-Agent": "conv-agent"},
+    )
+    reply = r1.choices[0].message.model_dump(exclude_none=True)
+    follow = [*first, reply, {"role": "user", "content": "Thanks. And W43?"}]
+    client.chat.completions.create(
+        model=backend.model_id,
+        messages=follow,
+        temperature=0,
+        max_tokens=10,
+        extra_headers={"X-Trace-Agent": "conv-agent"},
+    )
+    other = client.chat.completions.create(
+        model=backend.model_id,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        extra_headers={"X-Trace-Agent": "conv-agent", "X-Trace-Episode": "ticket-9"},
+    )
+    assert recorder.flush(10)
+    episodes = recorder.store.list_episodes("conv-agent")
+    assert len(episodes) == 2
+    conversation = recorder.store.get_episode(next(e.id for e in episodes if e.id != "ticket-9"))
+    assert [s.kind for s in conversation.steps] == ["llm", "llm"]
+    assert conversation.source == "gateway" and conversation.model == backend.model_id
+    assert conversation.steps[0].input["messages"] == first and conversation.steps[0].input["tools"] == [
+        "get_order"
+    ]
+    assert {t["function"]["name"] for t in recorder.store.tool_schemas("conv-agent")} == {"get_order"}
+    assert (
+        recorder.store.get_episode("ticket-9").steps[0].output["content"] == other.choices[0].message.content
+    )
+    assert json.loads(json.dumps(conversation.steps[1].output))["role"] == "assistant"

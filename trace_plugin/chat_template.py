@@ -1,0 +1,65 @@
+"""The one tool-aware chat template, shared by serving and training.
+
+Small models such as SmolLM2-135M ship a ChatML template with no tools section: their
+tokenizers silently ignore ``tools=``. We render every prompt with Qwen2.5's ChatML tool
+layout instead (``<tools>`` in the system turn, ``<tool_call>{json}</tool_call>`` in
+assistant turns, ``<tool_response>`` for results). The file is byte-identical to TRL's
+``qwen2_5.jinja``, which is how TRL recognizes it and parses tool calls during GRPO, so
+the gateway and the trainer produce exactly the same tokens for the same conversation.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Any
+
+TOOL_CHAT_TEMPLATE = resources.files("trace_plugin").joinpath("templates/tool_chatml.jinja").read_text()
+
+
+def to_template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages in the form the template expects.
+
+    OpenAI sends tool-call arguments as a JSON string and may send content as ``None`` or
+    a list of parts; the template wants an arguments object and a string.
+    """
+    out = []
+    for message in messages:
+        m = {"role": message["role"], "content": content_text(message.get("content"))}
+        if message.get("tool_calls"):
+            m["tool_calls"] = [
+                {"name": c["function"]["name"], "arguments": arguments_object(c["function"].get("arguments"))}
+                for c in message["tool_calls"]
+            ]
+        out.append(m)
+    return out
+
+
+def render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt text for the next assistant turn."""
+    return tokenizer.apply_chat_template(
+        to_template_messages(messages),
+        tools=tools or None,  # OpenAI form, as TRL passes them: identical prompt tokens
+        chat_template=TOOL_CHAT_TEMPLATE,
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+
+
+def content_text(content: Any) -> str:
+    """Message content as one string (text parts joined; None is empty)."""
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def arguments_object(arguments: Any) -> Any:
+    """Tool-call arguments as an object when they parse, else as given."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments if arguments is not None else {}

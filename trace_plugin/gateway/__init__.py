@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway (needs the ``serve`` extra; the embedded backend, ``train``)."""

@@ -1,0 +1,205 @@
+"""LoRA adapters as the gateway serves them: validated paths, versions, hot-swap, rollback.
+
+Adapters are named ``name@version`` (``refunds@3``). Clients ask for ``name``; the
+registry answers with the live version, and counts the requests in flight on each version
+so an old version is unloaded only once drained. A new version becomes live only after
+the backend lists it and a probe request through it succeeds (ART issue #661: a stale
+adapter silently served after a reload).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trace_plugin.gateway.backend import Backend, BackendError, SamplingParams
+
+
+class AdapterError(ValueError):
+    """A request about adapters that cannot be honoured; carries an HTTP status."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def split_name(full: str) -> tuple[str, str | None]:
+    """``"refunds@3"`` → ``("refunds", "3")``; an unversioned name has version None."""
+    name, sep, version = full.partition("@")
+    return name, (version if sep else None)
+
+
+def validate_adapter_dir(path: str | Path, root: Path, *, base_model: set[str], max_rank: int) -> Path:
+    """The resolved adapter directory, if it is a PEFT LoRA adapter for our base model.
+
+    It must resolve inside ``root`` (no ``..``, no symlink leading out, for the directory
+    or any file in it), hold ``adapter_config.json`` and weights, target our base model,
+    and have a rank the server accepts.
+    """
+    root = root.resolve()
+    candidate = Path(path) if Path(path).is_absolute() else root / path
+    resolved = candidate.resolve()  # follows symlinks: a link leading out resolves outside
+    if not resolved.is_relative_to(root):  # checked first, so nothing outside is even probed
+        raise AdapterError(f"adapter path {path} resolves outside the adapter root", 403)
+    if not resolved.exists():
+        raise AdapterError(f"adapter path does not exist: {path}", 404)
+    if not resolved.is_dir():
+        raise AdapterError(f"adapter path {path} is not a directory")
+    for item in resolved.rglob("*"):
+        if not item.resolve().is_relative_to(root):
+            raise AdapterError(f"{item.name} in adapter {path} links outside the adapter root", 403)
+    config_file = resolved / "adapter_config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except FileNotFoundError as exc:
+        raise AdapterError(f"{path} has no adapter_config.json") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AdapterError(f"{path}/adapter_config.json is not valid JSON") from exc
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        raise AdapterError(f"{path} is not a LoRA adapter (peft_type={config.get('peft_type')!r})")
+    if not any((resolved / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise AdapterError(f"{path} has no adapter weights")
+    base = str(config.get("base_model_name_or_path") or "")
+    if base and base not in base_model and Path(base).name not in base_model:
+        raise AdapterError(f"adapter {path} was trained on {base!r}, not on {sorted(base_model)[0]!r}")
+    rank = config.get("r")
+    if not isinstance(rank, int) or not 0 < rank <= max_rank:
+        raise AdapterError(f"adapter rank {rank!r} is outside 1..{max_rank}")
+    return resolved
+
+
+@dataclass(slots=True)
+class _Version:
+    path: Path
+    in_flight: int = 0
+    drained: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class AdapterRegistry:
+    """Which version of each adapter is live, and how to change that safely."""
+
+    def __init__(self, backend: Backend, root: str | Path) -> None:
+        self.backend = backend
+        self.root = Path(root)
+        self.live: dict[str, str] = {}  # name -> "name@version" serving new requests
+        self.history: dict[str, list[str]] = {}  # name -> earlier live versions, newest last
+        self._versions: dict[str, _Version] = {}  # every loaded "name@version"
+        self._paths: dict[str, Path] = {}  # every version ever loaded, for rollback
+        self._lock = asyncio.Lock()
+
+    # -- request side (synchronous: atomic on the event loop) ------------------------------
+
+    def acquire(self, model: str) -> str | None:
+        """The loaded adapter that serves ``model`` now, pinned until :meth:`release`."""
+        full = self.live.get(model) or (model if model in self._versions else None)
+        if full is not None:
+            version = self._versions[full]
+            version.in_flight += 1
+            version.drained.clear()
+        return full
+
+    def release(self, full: str) -> None:
+        version = self._versions.get(full)
+        if version is not None:
+            version.in_flight -= 1
+            if version.in_flight == 0:
+                version.drained.set()
+
+    def listing(self) -> dict[str, str]:
+        """Every servable model name → the loaded adapter behind it."""
+        names = {full: full for full in self._versions}
+        names.update(self.live)
+        return names
+
+    # -- admin side ---------------------------------------------------------------------
+
+    async def load(self, full: str, path: str | Path) -> str:
+        """Load ``name@version`` from ``path``, verify it, make it live, retire the old one."""
+        name, version = split_name(full)
+        if not name or version == "":
+            raise AdapterError(f"invalid adapter name {full!r}")
+        base_ids = {self.backend.model_id, str(getattr(self.backend, "model_dir", self.backend.model_id))}
+        resolved = validate_adapter_dir(
+            path, self.root, base_model=base_ids, max_rank=self.backend.max_lora_rank
+        )
+        async with self._lock:
+            if full in self._versions:
+                raise AdapterError(f"adapter {full!r} is already loaded")
+            await self._load_verified(full, resolved)
+            return await self._make_live(name, full)
+
+    async def unload(self, model: str) -> list[str]:
+        """Unload one version, or every version of a name; waits for their requests."""
+        async with self._lock:
+            name, version = split_name(model)
+            targets = (
+                [model] if version is not None else [f for f in self._versions if split_name(f)[0] == name]
+            )
+            if not targets or any(t not in self._versions for t in targets):
+                raise AdapterError(f"adapter {model!r} is not loaded", 404)
+            for full in targets:
+                if self.live.get(name) == full:
+                    del self.live[name]
+                await self._retire(full)
+            return targets
+
+    async def rollback(self, name: str) -> str:
+        """Make the previous version of ``name`` live again (reloading it if needed)."""
+        async with self._lock:
+            history = self.history.get(name) or []
+            if not history:
+                raise AdapterError(f"adapter {name!r} has no previous version", 404)
+            previous = history.pop()
+            current = self.live.get(name)
+            if previous not in self._versions:
+                await self._load_verified(previous, self._paths[previous])
+            self.live[name] = previous
+            if current is not None:
+                await self._retire(current)
+            return previous
+
+    async def _load_verified(self, full: str, path: Path) -> None:
+        try:
+            await self.backend.load_adapter(full, path)
+        except BackendError as exc:
+            raise AdapterError(str(exc), exc.status) from exc
+        try:
+            if full not in await self.backend.adapters():
+                raise AdapterError(f"{full!r} did not appear in the server's models after loading", 502)
+            await self.backend.generate("ping", SamplingParams(max_tokens=1), full)
+        except Exception:
+            await self.backend.unload_adapter(full)
+            raise
+        self._versions[full] = _Version(path)
+        self._versions[full].drained.set()
+        self._paths[full] = path
+
+    async def _make_live(self, name: str, full: str) -> str:
+        previous = self.live.get(name)
+        self.live[name] = full
+        if previous is not None:
+            self.history.setdefault(name, []).append(previous)
+            asyncio.get_running_loop().create_task(self._retire(previous))
+        return full
+
+    async def _retire(self, full: str) -> None:
+        """Unload a version once no request is using it."""
+        version = self._versions.get(full)
+        if version is None:
+            return
+        while version.in_flight:  # a request may pin it again before this task resumes
+            await version.drained.wait()
+        if any(v == full for v in self.live.values()):  # rolled back to it meanwhile
+            return
+        self._versions.pop(full, None)
+        await self.backend.unload_adapter(full)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "live": dict(self.live),
+            "loaded": {f: {"path": str(v.path), "in_flight": v.in_flight} for f, v in self._versions.items()},
+            "history": {k: list(v) for k, v in self.history.items()},
+        }

@@ -1,0 +1,446 @@
+"""The OpenAI-compatible gateway: serving, per-request expert routing, hot-swap, capture.
+
+``create_app(backend, ...)`` returns a FastAPI app with ``/v1/chat/completions``,
+``/v1/completions``, ``/v1/models`` and ``/health``, plus vLLM's runtime LoRA admin
+endpoints. A request's ``model`` picks an adapter by name (the vLLM convention); a
+request naming the base model or the agent is routed by the router. Every call is
+recorded as a step of an episode in the store.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from trace_plugin.gateway.adapters import AdapterError, AdapterRegistry
+from trace_plugin.gateway.backend import Backend, BackendError, Completion, SamplingParams
+from trace_plugin.gateway.episodes import ConversationEpisodes
+from trace_plugin.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadAdapterRequest,
+    UnloadAdapterRequest,
+)
+from trace_plugin.gateway.routing import Router, StaticRouter
+from trace_plugin.recorder import Recorder
+from trace_plugin.tool_calls import parse_completion
+from trace_plugin.tracer import Tracer
+from trace_plugin.trajectory import EpisodeEnd, Step, utcnow
+
+EPISODE_HEADER = "X-Trace-Episode"
+AGENT_HEADER = "X-Trace-Agent"
+ADAPTER_HEADER = "X-Trace-Adapter"
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+class GatewayError(Exception):
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+
+@dataclass
+class GatewayConfig:
+    """How the gateway serves, routes, protects its admin API and records."""
+
+    adapter_root: Path = field(default_factory=lambda: Path.cwd() / "adapters")
+    agent: str = "gateway"  # the agent name for calls that do not say theirs
+    agent_aliases: set[str] = field(default_factory=set)  # extra model names that mean "route it"
+    admin_token: str | None = None
+    allow_remote_admin: bool = False
+    record: bool = True
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+def create_app(
+    backend: Backend,
+    *,
+    config: GatewayConfig | None = None,
+    router: Router | None = None,
+    recorder: Recorder | None = None,
+) -> FastAPI:
+    config = config or GatewayConfig()
+    router = router or StaticRouter(None)
+    registry = AdapterRegistry(backend, config.adapter_root)
+    tracers: dict[str, Tracer] = {}
+
+    def tracer_for(agent: str) -> Tracer:
+        if agent not in tracers:
+            tracers[agent] = Tracer(agent, source="gateway", recorder=recorder)
+        return tracers[agent]
+
+    episodes = ConversationEpisodes(tracer_for)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await backend.close()
+
+    app = FastAPI(title="trace-plugin gateway", version="1", lifespan=lifespan)
+    app.state.backend, app.state.registry, app.state.router = backend, registry, router
+    app.state.routing_seconds = 0.0  # time spent in router.route, for the benchmark
+
+    # -- errors in OpenAI's shape --------------------------------------------------------------
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_: Request, exc: GatewayError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.type, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return _error(
+            400, f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "")
+        )
+
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next: Any) -> Any:
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > config.max_body_bytes:
+            return _error(413, f"request body over {config.max_body_bytes} bytes")
+        return await call_next(request)
+
+    # -- model listing and health ------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": backend.model_id, "adapters": registry.listing()}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        now = int(time.time())
+        data = [
+            {
+                "id": backend.model_id,
+                "object": "model",
+                "created": now,
+                "owned_by": "trace-plugin",
+                "root": backend.model_id,
+                "parent": None,
+            }
+        ]
+        for name, full in sorted(registry.listing().items()):
+            data.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": now,
+                    "owned_by": "trace-plugin",
+                    "root": full,
+                    "parent": backend.model_id,
+                }
+            )
+        return {"object": "list", "data": data}
+
+    # -- completions ---------------------------------------------------------------------
+
+    def select(model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
+        """The adapter name a request asks for, or that the router picks; None is the base."""
+        if model in registry.listing():
+            return model
+        if model in {backend.model_id, config.agent, "default", *config.agent_aliases}:
+            start = time.perf_counter()
+            choice = router.route(messages, tools)
+            app.state.routing_seconds += time.perf_counter() - start
+            return choice if choice in registry.listing() else None
+        raise GatewayError(404, f"model {model!r} does not exist", "invalid_request_error", "model_not_found")
+
+    async def generate(
+        prompt: str, params: SamplingParams, adapter: str | None
+    ) -> tuple[list[Completion], str | None]:
+        full = registry.acquire(adapter) if adapter else None
+        try:
+            return await backend.generate(prompt, params, full), full
+        except BackendError as exc:
+            raise GatewayError(
+                exc.status, str(exc), "server_error" if exc.status >= 500 else "invalid_request_error"
+            ) from exc
+        finally:
+            if full:
+                registry.release(full)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        started, t0 = utcnow(), time.perf_counter()
+        messages = [m.to_openai() for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        offered = tools if body.tool_choice != "none" else None
+        adapter = select(body.model, messages, offered)
+        params = _sampling(body, body.max_completion_tokens or body.max_tokens)
+        try:
+            prompt = backend.render(messages, offered)
+        except Exception as exc:  # a template that cannot render these messages
+            raise GatewayError(400, f"cannot render the conversation: {exc}") from exc
+        completions, served = await generate(prompt, params, adapter)
+        choices = []
+        for i, c in enumerate(completions):
+            parsed = parse_completion(c.text, truncated=c.finish_reason == "length")
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            if parsed.tool_calls:
+                message["tool_calls"] = parsed.tool_calls
+            choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": parsed.finish_reason}
+            if body.logprobs:
+                choice["logprobs"] = _logprobs(backend, c)
+            if body.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
+        response = _envelope("chat.completion", served or backend.model_id, choices, completions)
+        if body.return_token_ids:
+            response["prompt_token_ids"] = completions[0].prompt_token_ids
+        episode_id = None
+        if config.record:
+            episode_id = record_call(
+                request, body, messages, tools, served, response, completions, started, t0
+            )
+        headers = {ADAPTER_HEADER: served or "", **({EPISODE_HEADER: episode_id} if episode_id else {})}
+        if body.stream:
+            return StreamingResponse(_stream_chat(response), media_type="text/event-stream", headers=headers)
+        return JSONResponse(response, headers=headers)
+
+    def record_call(
+        request: Request,
+        body: ChatCompletionRequest,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        served: str | None,
+        response: dict[str, Any],
+        completions: list[Completion],
+        started: Any,
+        t0: float,
+    ) -> str:
+        meta = body.metadata or {}
+        agent = request.headers.get(AGENT_HEADER) or meta.get("trace_agent") or config.agent
+        explicit = request.headers.get(EPISODE_HEADER) or meta.get("trace_episode_id")
+        tracer, active = episodes.begin(agent, messages, explicit, model=backend.model_id, adapter=served)
+        reply = response["choices"][0]["message"]
+        output = (
+            reply
+            if len(response["choices"]) == 1
+            else {"choices": [c["message"] for c in response["choices"]]}
+        )
+        token_ids = None
+        if body.return_token_ids:
+            token_ids = {
+                "prompt": completions[0].prompt_token_ids,
+                "completions": [c.token_ids for c in completions],
+            }
+        tracer.record_step(
+            Step(
+                episode_id=active.id,
+                seq=active.next_seq(),
+                kind="llm",
+                name=served or backend.model_id,
+                input={"messages": messages, "tools": [t["function"]["name"] for t in tools or ()]},
+                output=output,
+                prompt_tokens=response["usage"]["prompt_tokens"],
+                completion_tokens=response["usage"]["completion_tokens"],
+                latency_ms=(time.perf_counter() - t0) * 1000,
+                started_at=started,
+                ended_at=utcnow(),
+                token_ids=token_ids,
+                tools=tools,
+            )
+        )
+        episodes.after_reply(active.id, messages, reply)
+        if not reply.get("tool_calls"):  # a final answer ends the episode (a later call may extend it)
+            tracer.recorder.submit(
+                EpisodeEnd(active.id, "completed", output=reply, model=backend.model_id), tracer.policy
+            )
+        return active.id
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest) -> Any:
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if not prompts:
+            raise GatewayError(400, "prompt must not be empty")
+        adapter = select(body.model, [{"role": "user", "content": prompts[0]}], None)
+        params = _sampling(body, body.max_tokens or 16)
+        results: list[Completion] = []
+        served = None
+        for prompt in prompts:
+            outs, served = await generate(prompt, params, adapter)
+            results.extend(outs)
+        choices = []
+        for i, c in enumerate(results):
+            choice: dict[str, Any] = {
+                "index": i,
+                "text": (prompts[i // params.n] if body.echo else "") + c.text,
+                "finish_reason": c.finish_reason,
+                "logprobs": _logprobs(backend, c) if body.logprobs else None,
+            }
+            if body.return_token_ids:
+                choice["token_ids"] = c.token_ids
+                choice["prompt_token_ids"] = c.prompt_token_ids
+            choices.append(choice)
+        response = _envelope("text_completion", served or backend.model_id, choices, results)
+        if body.stream:
+            return StreamingResponse(_stream_completion(response), media_type="text/event-stream")
+        return JSONResponse(response, headers={ADAPTER_HEADER: served or ""})
+
+    # -- runtime LoRA administration (vLLM's API shapes) ---------------------------------
+
+    def check_admin(request: Request) -> None:
+        supplied = request.headers.get("authorization", "")
+        if config.admin_token is not None and not hmac.compare_digest(
+            supplied, f"Bearer {config.admin_token}"
+        ):
+            raise GatewayError(
+                401, "admin endpoints need 'Authorization: Bearer <token>'", "authentication_error"
+            )
+        host = request.client.host if request.client else ""
+        if not config.allow_remote_admin and not _is_loopback(host):
+            raise GatewayError(403, "admin endpoints accept loopback clients only", "permission_error")
+
+    async def admin(request: Request, action: Any) -> PlainTextResponse:
+        check_admin(request)
+        try:
+            message = await action()
+        except AdapterError as exc:
+            raise GatewayError(exc.status, str(exc)) from exc
+        return PlainTextResponse(message)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadAdapterRequest, request: Request) -> PlainTextResponse:
+        async def action() -> str:
+            full = await registry.load(body.lora_name, body.lora_path)
+            return f"Success: LoRA adapter '{full}' added successfully."
+
+        return await admin(request, action)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadAdapterRequest, request: Request) -> PlainTextResponse:
+        async def action() -> str:
+            removed = await registry.unload(body.lora_name)
+            return f"Success: LoRA adapter '{', '.join(removed)}' removed successfully."
+
+        return await admin(request, action)
+
+    @app.post("/v1/rollback_lora_adapter")
+    async def rollback_lora_adapter(body: UnloadAdapterRequest, request: Request) -> PlainTextResponse:
+        async def action() -> str:
+            live = await registry.rollback(body.lora_name)
+            return f"Success: LoRA adapter '{body.lora_name}' rolled back to '{live}'."
+
+        return await admin(request, action)
+
+    @app.get("/v1/lora_adapters")
+    async def lora_adapters(request: Request) -> dict[str, Any]:
+        check_admin(request)
+        return registry.describe()
+
+    return app
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _error(
+    status: int, message: str, type_: str = "invalid_request_error", code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": type_, "param": None, "code": code}}, status_code=status
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _sampling(body: Any, max_tokens: int | None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens or 256,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        n=body.n,
+        seed=body.seed,
+        stop=body.stops(),
+        logprobs=body.logprobs,
+    )
+
+
+def _envelope(
+    kind: str, model: str, choices: list[dict[str, Any]], completions: list[Completion]
+) -> dict[str, Any]:
+    prompt_tokens = len(completions[0].prompt_token_ids) if completions else 0
+    completion_tokens = sum(len(c.token_ids) for c in completions)
+    prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
+    return {
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def _logprobs(backend: Backend, completion: Completion) -> dict[str, Any] | None:
+    if completion.logprobs is None:
+        return None
+    tokenizer = getattr(backend, "tokenizer", None)
+    content = []
+    for token_id, logprob in zip(completion.token_ids, completion.logprobs, strict=False):
+        token = tokenizer.convert_ids_to_tokens(token_id) if tokenizer is not None else str(token_id)
+        content.append(
+            {"token": token, "token_id": token_id, "logprob": logprob, "bytes": None, "top_logprobs": []}
+        )
+    return {"content": content}
+
+
+def _sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def _stream_chat(response: dict[str, Any]) -> AsyncIterator[str]:
+    """The finished response as OpenAI stream chunks: role, content, tool calls, finish."""
+    base = {k: response[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    for choice in response["choices"]:
+        i, message = choice["index"], choice["message"]
+        yield _sse(
+            base
+            | {
+                "choices": [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                ]
+            }
+        )
+        if message.get("content"):
+            yield _sse(
+                base
+                | {"choices": [{"index": i, "delta": {"content": message["content"]}, "finish_reason": None}]}
+            )
+        for j, call in enumerate(message.get("tool_calls") or []):
+            delta = {"tool_calls": [{"index": j, **call}]}
+            yield _sse(base | {"choices": [{"index": i, "delta": delta, "finish_reason": None}]})
+        yield _sse(base | {"choices": [{"index": i, "delta": {}, "finish_reason": choice["finish_reason"]}]})
+    yield _sse(base | {"choices": [], "usage": response["usage"]})
+    yield _sse("[DONE]")
+
+
+async def _stream_completion(response: dict[str, Any]) -> AsyncIterator[str]:
+    base = {k: response[k] for k in ("id", "created", "model")} | {"object": "text_completion"}
+    for choice in response["choices"]:
+        yield _sse(base | {"choices": [choice]})
+    yield _sse("[DONE]")

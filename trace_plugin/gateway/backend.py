@@ -1,0 +1,64 @@
+"""What the gateway needs from a model server: prompts in, completions out, LoRA adapters.
+
+Two implementations speak this protocol: the embedded CPU backend (transformers + PEFT,
+``trace_plugin.gateway.embedded``) and a real vLLM server (``integrations.vllm``). The
+gateway renders chat prompts with the shared tool template and parses tool calls itself,
+so both backends only ever see plain text prompts and produce the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+
+
+@dataclass(slots=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: Literal["stop", "length"]
+    prompt_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+
+
+class BackendError(RuntimeError):
+    """The model server failed or refused; carries an HTTP-like status for the gateway."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Backend(Protocol):
+    model_id: str  # the base model's name, as /v1/models lists it
+    max_lora_rank: int
+
+    def render(self, messages: list[dict], tools: list[dict] | None) -> str:
+        """The chat prompt for the next assistant turn (the shared tool template)."""
+        ...
+
+    async def generate(self, prompt: str, params: SamplingParams, adapter: str | None) -> list[Completion]:
+        """``params.n`` completions of ``prompt`` with ``adapter`` (None: the base model)."""
+        ...
+
+    async def load_adapter(self, name: str, path: Path) -> None: ...
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+    async def adapters(self) -> set[str]:
+        """The adapter names the model server reports as loaded."""
+        ...
+
+    async def close(self) -> None: ...

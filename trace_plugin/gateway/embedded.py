@@ -1,0 +1,206 @@
+"""The embedded backend: one transformers model plus PEFT LoRA adapters, on CPU by default.
+
+Concurrent requests are collected for a few milliseconds and generated together: rows
+that share sampling settings go through one ``generate`` call, and PEFT's mixed-batch
+``adapter_names`` routes each row through its own adapter (or ``__base__``). All torch
+work, generation and adapter (un)loading, runs on one worker thread in turn, so swapping
+an adapter never races a generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trace_plugin.chat_template import render
+from trace_plugin.gateway.backend import BackendError, Completion, SamplingParams
+from trace_plugin.model_files import load_model, resolve_model
+
+BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
+
+
+@dataclass(slots=True)
+class _Request:
+    prompt: str
+    params: SamplingParams
+    adapter: str | None
+    future: asyncio.Future
+
+
+class EmbeddedBackend:
+    """Serves a local model (the embedded SmolLM2-135M by default) and its LoRA adapters."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        max_batch: int = 8,
+        batch_window_s: float = 0.005,
+        max_lora_rank: int = 64,
+    ) -> None:
+        self.model_dir = resolve_model(model)
+        self.model_id = self.model_dir.name
+        self.max_batch = max_batch
+        self.batch_window_s = batch_window_s
+        self.max_lora_rank = max_lora_rank
+        self.model, self.tokenizer = load_model(self.model_dir)
+        self._eos_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if not isinstance(self._eos_id, int) or self._eos_id == self.tokenizer.unk_token_id:
+            self._eos_id = self.tokenizer.eos_token_id
+        self._adapters: dict[str, Path] = {}
+        self._torch = threading.Lock()
+        self._workers: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, tuple[asyncio.Queue, asyncio.Task]
+        ]
+        self._workers = weakref.WeakKeyDictionary()
+
+    # -- the Backend protocol --------------------------------------------------------------
+
+    def render(self, messages: list[dict], tools: list[dict] | None) -> str:
+        return render(self.tokenizer, messages, tools)
+
+    async def generate(self, prompt: str, params: SamplingParams, adapter: str | None) -> list[Completion]:
+        if adapter is not None and adapter not in self._adapters:
+            raise BackendError(f"adapter {adapter!r} is not loaded", status=404)
+        loop = asyncio.get_running_loop()
+        queue, worker = self._workers.get(loop, (None, None))
+        if queue is None or worker is None or worker.done():  # one batching worker per event loop
+            queue = asyncio.Queue()
+            worker = loop.create_task(self._batch_loop(queue), name="embedded-generate")
+            self._workers[loop] = (queue, worker)
+        future = loop.create_future()
+        await queue.put(_Request(prompt, params, adapter, future))
+        return await future
+
+    async def load_adapter(self, name: str, path: Path) -> None:
+        await asyncio.to_thread(self._load_adapter, name, Path(path))
+
+    async def unload_adapter(self, name: str) -> None:
+        await asyncio.to_thread(self._unload_adapter, name)
+
+    async def adapters(self) -> set[str]:
+        return set(self._adapters)
+
+    async def close(self) -> None:
+        _, worker = self._workers.pop(asyncio.get_running_loop(), (None, None))
+        if worker is not None:
+            worker.cancel()
+
+    # -- batching ------------------------------------------------------------------------
+
+    async def _batch_loop(self, queue: asyncio.Queue[_Request]) -> None:
+        while True:
+            batch = [await queue.get()]
+            deadline = asyncio.get_running_loop().time() + self.batch_window_s
+            while len(batch) < self.max_batch:
+                timeout = deadline - asyncio.get_running_loop().time()
+                if timeout <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(queue.get(), timeout))
+                except TimeoutError:
+                    break
+            groups: dict[SamplingParams, list[_Request]] = defaultdict(list)
+            for request in batch:
+                groups[request.params].append(request)
+            for params, requests in groups.items():
+                try:
+                    results = await asyncio.to_thread(self._generate_group, requests, params)
+                except Exception as exc:  # one bad group must not take the worker down
+                    for r in requests:
+                        if not r.future.done():
+                            r.future.set_exception(BackendError(f"generation failed: {exc}"))
+                    continue
+                for request, completions in zip(requests, results, strict=True):
+                    if not request.future.done():
+                        request.future.set_result(completions)
+
+    # -- torch work (worker thread) ------------------------------------------------------------
+
+    def generate_rows(
+        self, prompts: list[str], adapters: list[str | None], params: SamplingParams
+    ) -> list[Completion]:
+        """One ``generate`` call over ``prompts``, row i through ``adapters[i]``."""
+        import torch
+
+        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": params.max_tokens,
+            "do_sample": params.temperature > 0,
+            "pad_token_id": self.tokenizer.pad_token_id,
+            "eos_token_id": self._eos_id,
+            "return_dict_in_generate": True,
+            "output_logits": params.logprobs,
+        }
+        if params.temperature > 0:
+            kwargs.update(temperature=params.temperature, top_p=params.top_p)
+        else:  # greedy: silence sampling defaults from generation_config
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        if self._adapters:
+            kwargs["adapter_names"] = [a or BASE for a in adapters]
+        with self._torch, torch.inference_mode():
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            out = self.model.generate(**enc, **kwargs)
+        prompt_len = enc.input_ids.shape[1]
+        completions = []
+        for row, sequence in enumerate(out.sequences):
+            prompt_ids = enc.input_ids[row][enc.attention_mask[row].bool()].tolist()
+            completions.append(self._completion(sequence[prompt_len:].tolist(), prompt_ids, out, row, params))
+        return completions
+
+    def _completion(
+        self, ids: list[int], prompt_ids: list[int], out: Any, row: int, params: SamplingParams
+    ) -> Completion:
+        finish = "length"
+        if self._eos_id in ids:
+            ids = ids[: ids.index(self._eos_id) + 1]  # keep the stop token: training needs it
+            finish = "stop"
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        for stop in params.stop:
+            if stop in text:
+                text, finish = text[: text.index(stop)], "stop"
+        logprobs = None
+        if params.logprobs:
+            logprobs = [float(out.logits[i][row].log_softmax(-1)[token]) for i, token in enumerate(ids)]
+        return Completion(text, ids, finish, prompt_ids, logprobs)
+
+    def _generate_group(self, requests: list[_Request], params: SamplingParams) -> list[list[Completion]]:
+        prompts = [r.prompt for r in requests for _ in range(params.n)]
+        adapters = [r.adapter for r in requests for _ in range(params.n)]
+        missing = {a for a in adapters if a is not None and a not in self._adapters}
+        if missing:
+            raise BackendError(f"adapter(s) unloaded while queued: {sorted(missing)}", status=404)
+        rows = self.generate_rows(prompts, adapters, params)
+        return [rows[i * params.n : (i + 1) * params.n] for i in range(len(requests))]
+
+    def _load_adapter(self, name: str, path: Path) -> None:
+        from peft import PeftModel
+
+        with self._torch:
+            if name in self._adapters:
+                raise BackendError(f"adapter {name!r} is already loaded", status=400)
+            try:
+                if isinstance(self.model, PeftModel):
+                    self.model.load_adapter(str(path), adapter_name=name)
+                else:
+                    self.model = PeftModel.from_pretrained(self.model, str(path), adapter_name=name)
+            except Exception as exc:
+                raise BackendError(f"could not load adapter {name!r} from {path}: {exc}", status=400) from exc
+            self.model.eval()
+            self._adapters[name] = path
+
+    def _unload_adapter(self, name: str) -> None:
+        with self._torch:
+            if name not in self._adapters:
+                raise BackendError(f"adapter {name!r} is not loaded", status=404)
+            if len(self._adapters) == 1:  # PEFT cannot delete its last adapter; unwrap instead
+                self.model = self.model.unload()
+            else:
+                self.model.delete_adapter(name)
+            del self._adapters[name]

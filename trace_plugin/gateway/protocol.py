@@ -1,0 +1,113 @@
+"""The OpenAI-compatible request bodies the gateway accepts, validated with pydantic.
+
+Unknown fields are ignored (clients send many we do not use, such as
+``parallel_tool_calls`` or ``stream_options``); known ones are checked, so a malformed
+request gets a 400 that says which field is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_TOKENS = 4096
+MAX_N = 8
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_messages_answer_a_call(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
+
+    def to_openai(self) -> dict[str, Any]:
+        """As a plain OpenAI message; ``developer`` is served as ``system``."""
+        data = self.model_dump(exclude_none=True)
+        if data["role"] == "developer":
+            data["role"] = "system"
+        for call in data.get("tool_calls") or []:
+            if not isinstance(call["function"]["arguments"], str):
+                call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
+        return data
+
+
+class FunctionSchema(_Lenient):
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if value.get("type", "object") != "object":
+            raise ValueError("function parameters must be a JSON schema of type 'object'")
+        if not isinstance(value.get("properties", {}), dict):
+            raise ValueError("'properties' of a function schema must be an object")
+        return value
+
+
+class Tool(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionSchema
+
+
+class _Sampling(_Lenient):
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    return_token_ids: bool = False  # vLLM >= 0.10.2: prompt and completion token ids
+    metadata: dict[str, Any] | None = None
+
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+    echo: bool = False
+
+
+class LoadAdapterRequest(_Lenient):
+    lora_name: str = Field(min_length=1, max_length=200)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadAdapterRequest(_Lenient):
+    lora_name: str = Field(min_length=1, max_length=200)

