@@ -452,3 +452,43 @@ def test_calls_are_recorded_and_grouped_into_conversations(client, gateway, back
         recorder.store.get_episode("ticket-9").steps[0].output["content"] == other.choices[0].message.content
     )
     assert json.loads(json.dumps(conversation.steps[1].output))["role"] == "assistant"
+
+
+def test_a_decorated_langgraph_agent_on_chatopenai_is_captured_twice_consistently(
+    gateway, backend, sqlite_url
+):
+    from langchain.agents import create_agent
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    import trace_plugin
+
+    @tool
+    def get_order(order_id: str) -> str:
+        """Look up an order."""
+        return f"order {order_id} is pending"
+
+    model = ChatOpenAI(
+        base_url=gateway.url + "/v1",
+        api_key="unused",
+        model=backend.model_id,
+        temperature=0,
+        max_tokens=40,
+        default_headers={"X-Trace-Agent": "lg-through-gateway"},
+    )
+    local = Recorder(sqlite_url)
+    agent = trace_plugin.capture(agent="lg-agent", recorder=local)(create_agent(model, [get_order]))
+    state = agent.invoke({"messages": [("user", "Where is order W5?")]})
+    assert state["messages"][-1].type == "ai"
+
+    assert local.flush(10) and gateway.recorder.flush(10)
+    [decorated] = local.store.list_episodes("lg-agent")
+    decorated = local.store.get_episode(decorated.id)
+    llm_steps = [s for s in decorated.steps if s.kind == "llm"]
+    served = gateway.recorder.store.list_episodes("lg-through-gateway")
+    served_steps = [s for e in served for s in gateway.recorder.store.get_episode(e.id).steps]
+    assert len(served_steps) == len(llm_steps) >= 1
+    for ours, theirs in zip(llm_steps, sorted(served_steps, key=lambda s: s.started_at), strict=True):
+        assert (ours.output.get("content") or "") == (theirs.output.get("content") or "")
+        assert ours.input["messages"][-1]["content"] == theirs.input["messages"][-1]["content"]
+    local.close()

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trace_plugin.gateway.backend import Backend, BackendError, SamplingParams
+
+log = logging.getLogger("trace_plugin.gateway")
 
 
 class AdapterError(ValueError):
@@ -81,9 +84,11 @@ class _Version:
 class AdapterRegistry:
     """Which version of each adapter is live, and how to change that safely."""
 
-    def __init__(self, backend: Backend, root: str | Path) -> None:
+    def __init__(self, backend: Backend, root: str | Path, *, hot_swap: bool = True) -> None:
         self.backend = backend
         self.root = Path(root)
+        # False: vLLM's own semantics, every name independent, "a@2" does not replace "a@1".
+        self.hot_swap = hot_swap
         self.live: dict[str, str] = {}  # name -> "name@version" serving new requests
         self.history: dict[str, list[str]] = {}  # name -> earlier live versions, newest last
         self._versions: dict[str, _Version] = {}  # every loaded "name@version"
@@ -118,7 +123,7 @@ class AdapterRegistry:
 
     async def load(self, full: str, path: str | Path) -> str:
         """Load ``name@version`` from ``path``, verify it, make it live, retire the old one."""
-        name, version = split_name(full)
+        name, version = split_name(full) if self.hot_swap else (full, None)
         if not name or version == "":
             raise AdapterError(f"invalid adapter name {full!r}")
         base_ids = {self.backend.model_id, str(getattr(self.backend, "model_dir", self.backend.model_id))}
@@ -134,7 +139,7 @@ class AdapterRegistry:
     async def unload(self, model: str) -> list[str]:
         """Unload one version, or every version of a name; waits for their requests."""
         async with self._lock:
-            name, version = split_name(model)
+            name, version = split_name(model) if self.hot_swap else (model, model)
             targets = (
                 [model] if version is not None else [f for f in self._versions if split_name(f)[0] == name]
             )
@@ -195,7 +200,10 @@ class AdapterRegistry:
         if any(v == full for v in self.live.values()):  # rolled back to it meanwhile
             return
         self._versions.pop(full, None)
-        await self.backend.unload_adapter(full)
+        try:
+            await self.backend.unload_adapter(full)
+        except BackendError as exc:  # it no longer serves requests either way
+            log.warning("unloading retired adapter %s failed: %s", full, exc)
 
     def describe(self) -> dict[str, Any]:
         return {

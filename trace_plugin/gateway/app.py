@@ -64,6 +64,8 @@ class GatewayConfig:
     allow_remote_admin: bool = False
     record: bool = True
     max_body_bytes: int = MAX_BODY_BYTES
+    # name@version hot-swap; False keeps vLLM's semantics (each adapter name independent).
+    hot_swap: bool = True
 
 
 def create_app(
@@ -75,7 +77,7 @@ def create_app(
 ) -> FastAPI:
     config = config or GatewayConfig()
     router = router or StaticRouter(None)
-    registry = AdapterRegistry(backend, config.adapter_root)
+    registry = AdapterRegistry(backend, config.adapter_root, hot_swap=config.hot_swap)
     tracers: dict[str, Tracer] = {}
 
     def tracer_for(agent: str) -> Tracer:
@@ -281,7 +283,7 @@ def create_app(
                 "index": i,
                 "text": (prompts[i // params.n] if body.echo else "") + c.text,
                 "finish_reason": c.finish_reason,
-                "logprobs": _logprobs(backend, c) if body.logprobs else None,
+                "logprobs": _legacy_logprobs(backend, c) if body.wants_logprobs() else None,
             }
             if body.return_token_ids:
                 choice["token_ids"] = c.token_ids
@@ -372,7 +374,7 @@ def _sampling(body: Any, max_tokens: int | None) -> SamplingParams:
         n=body.n,
         seed=body.seed,
         stop=body.stops(),
-        logprobs=body.logprobs,
+        logprobs=body.wants_logprobs(),
     )
 
 
@@ -407,6 +409,19 @@ def _logprobs(backend: Backend, completion: Completion) -> dict[str, Any] | None
             {"token": token, "token_id": token_id, "logprob": logprob, "bytes": None, "top_logprobs": []}
         )
     return {"content": content}
+
+
+def _legacy_logprobs(backend: Backend, completion: Completion) -> dict[str, Any] | None:
+    """The completions API's older shape: parallel lists of tokens and their logprobs."""
+    chat = _logprobs(backend, completion)
+    if chat is None:
+        return None
+    return {
+        "tokens": [e["token"] for e in chat["content"]],
+        "token_logprobs": [e["logprob"] for e in chat["content"]],
+        "top_logprobs": None,
+        "text_offset": None,
+    }
 
 
 def _sse(data: dict[str, Any] | str) -> str:

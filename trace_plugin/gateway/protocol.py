@@ -84,7 +84,6 @@ class _Sampling(_Lenient):
     stream: bool = False
     stop: str | list[str] | None = None
     seed: int | None = None
-    logprobs: bool = False
     return_token_ids: bool = False  # vLLM >= 0.10.2: prompt and completion token ids
     metadata: dict[str, Any] | None = None
 
@@ -97,11 +96,19 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    logprobs: bool = False
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)  # legacy API: None is off, 0 the chosen tokens only
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
 
 class LoadAdapterRequest(_Lenient):

@@ -1,0 +1,124 @@
+"""A vLLM server as the gateway's backend, with runtime LoRA loading.
+
+Start vLLM with ``--enable-lora --max-loras N --max-lora-rank R`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``. The gateway renders prompts with the shared
+tool template (from the same model directory's tokenizer) and sends them to vLLM's
+``/v1/completions``, so vLLM never applies a template of its own and both backends give
+the same tokens. Adapters go through vLLM's ``/v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter``; ``/v1/models`` tells what is loaded.
+
+Paths sent to vLLM are the gateway's resolved adapter paths: the two must share a
+filesystem (the usual single-host deployment) or mount the adapter root at the same place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from trace_plugin.chat_template import render
+from trace_plugin.gateway.backend import BackendError, Completion, SamplingParams
+from trace_plugin.model_files import prepare_tokenizer, resolve_model
+
+
+class VLLMBackend:
+    """Talks to a vLLM (or any server with the same HTTP contract) at ``base_url``."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | Path | None = None,
+        served_model: str | None = None,
+        api_key: str | None = None,
+        max_lora_rank: int = 64,
+        timeout: float = 300.0,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.base_url = base_url.rstrip("/")
+        self.model_dir = resolve_model(model)
+        self.tokenizer = prepare_tokenizer(
+            AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        )
+        self.max_lora_rank = max_lora_rank
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout)
+        self.model_id = served_model or self._base_model_id(headers)
+
+    def _base_model_id(self, headers: dict[str, str]) -> str:
+        try:
+            models = httpx.get(f"{self.base_url}/v1/models", headers=headers, timeout=30).json()["data"]
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            raise BackendError(f"cannot list models at {self.base_url}: {exc}", 502) from exc
+        bases = [m["id"] for m in models if not m.get("parent")]
+        if not bases:
+            raise BackendError(f"{self.base_url} lists no base model", 502)
+        return bases[0]
+
+    def render(self, messages: list[dict], tools: list[dict] | None) -> str:
+        return render(self.tokenizer, messages, tools)
+
+    async def generate(self, prompt: str, params: SamplingParams, adapter: str | None) -> list[Completion]:
+        body: dict[str, Any] = {
+            "model": adapter or self.model_id,
+            "prompt": prompt,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "n": params.n,
+            "return_token_ids": True,
+            "add_special_tokens": False,  # the template already holds every special token
+        }
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if params.stop:
+            body["stop"] = list(params.stop)
+        if params.logprobs:
+            body["logprobs"] = 0
+        data = await self._post_json("/v1/completions", body)
+        return [self._completion(choice, data) for choice in data["choices"]]
+
+    def _completion(self, choice: dict[str, Any], data: dict[str, Any]) -> Completion:
+        logprobs = None
+        if choice.get("logprobs"):
+            logprobs = choice["logprobs"].get("token_logprobs")
+        prompt_ids = choice.get("prompt_token_ids") or data.get("prompt_token_ids") or []
+        finish = "length" if choice.get("finish_reason") == "length" else "stop"
+        return Completion(
+            choice["text"], list(choice.get("token_ids") or []), finish, list(prompt_ids), logprobs
+        )
+
+    async def load_adapter(self, name: str, path: Path) -> None:
+        await self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._post("/v1/unload_lora_adapter", {"lora_name": name})
+
+    async def adapters(self) -> set[str]:
+        response = await self._request("GET", "/v1/models")
+        return {m["id"] for m in response.json()["data"] if m.get("parent")}
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def _post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = await self._post(path, body)
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise BackendError(f"{path} answered with non-JSON: {response.text[:200]}", 502) from exc
+
+    async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        return await self._request("POST", path, json=body)
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = await self._client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise BackendError(f"vLLM at {self.base_url} unreachable: {exc}", 502) from exc
+        if response.status_code >= 400:
+            raise BackendError(f"vLLM {path} failed: {response.text[:300]}", response.status_code)
+        return response

@@ -1,0 +1,132 @@
+"""The vLLM backend, tested against the embedded gateway, which speaks vLLM's HTTP contract
+(completions with token ids, runtime LoRA loading). The real-vLLM run is scripts/gpu_check.sh."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from gateway_support import make_adapter
+from openai import OpenAI
+
+from integrations.vllm import VLLMBackend
+from trace_plugin.gateway.app import GatewayConfig, create_app
+from trace_plugin.gateway.embedded import EmbeddedBackend
+from trace_plugin.gateway.server import start_in_thread
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """A stand-in vLLM server (the embedded gateway) and our gateway in front of it."""
+    root = tmp_path_factory.mktemp("adapters")
+    inner_backend = EmbeddedBackend()
+    make_adapter(inner_backend.model_dir, root / "alpha" / "1", seed=11)
+    make_adapter(inner_backend.model_dir, root / "alpha" / "2", seed=12)
+    vllm_like = GatewayConfig(adapter_root=root, record=False, hot_swap=False)  # vLLM: names are independent
+    inner = start_in_thread(create_app(inner_backend, config=vllm_like))
+    outer_backend = VLLMBackend(inner.url)
+    outer = start_in_thread(create_app(outer_backend, config=GatewayConfig(adapter_root=root, record=False)))
+    yield inner, outer
+    outer.stop()
+    inner.stop()
+
+
+def chat(url: str, model: str, text: str, **extra) -> dict:
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": text}],
+            "temperature": 0,
+            "max_tokens": 12,
+            "return_token_ids": True,
+            **extra,
+        },
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_same_tokens_through_the_vllm_backend(stack):
+    inner, outer = stack
+    direct, fronted = (
+        chat(inner.url, "SmolLM2-135M-Instruct", "Name a fruit."),
+        chat(outer.url, "SmolLM2-135M-Instruct", "Name a fruit."),
+    )
+    assert fronted["choices"][0]["token_ids"] == direct["choices"][0]["token_ids"]
+    assert fronted["prompt_token_ids"] == direct["prompt_token_ids"]
+    assert fronted["choices"][0]["message"] == direct["choices"][0]["message"]
+
+
+def test_runtime_lora_through_the_vllm_contract_and_hot_swap(stack):
+    inner, outer = stack
+    r = httpx.post(
+        f"{outer.url}/v1/load_lora_adapter", json={"lora_name": "alpha@1", "lora_path": "alpha/1"}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    assert "alpha@1" in {m["id"] for m in httpx.get(f"{inner.url}/v1/models").json()["data"]}
+    served = chat(outer.url, "alpha", "Tell me a fact.")
+    assert served["model"] == "alpha@1"
+    assert (
+        served["choices"][0]["token_ids"]
+        == chat(inner.url, "alpha@1", "Tell me a fact.")["choices"][0]["token_ids"]
+    )
+
+    client = OpenAI(base_url=outer.url + "/v1", api_key="x", max_retries=0)
+    failures, models, stop = [], [], threading.Event()
+
+    def worker():
+        while not stop.is_set():
+            try:
+                models.append(
+                    client.chat.completions.create(
+                        model="alpha",
+                        messages=[{"role": "user", "content": "Hi"}],
+                        max_tokens=2,
+                        temperature=0,
+                    ).model
+                )
+            except Exception as exc:
+                failures.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    while len(models) < 8:
+        threading.Event().wait(0.05)
+    r = httpx.post(
+        f"{outer.url}/v1/load_lora_adapter", json={"lora_name": "alpha@2", "lora_path": "alpha/2"}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    mark = len(models)
+    while len(models) < mark + 16:
+        threading.Event().wait(0.05)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert failures == [] and models[-1] == "alpha@2"
+    loaded = {m["id"] for m in httpx.get(f"{inner.url}/v1/models").json()["data"]}
+    assert "alpha@1" not in loaded, "the old version was unloaded from vLLM once drained"
+
+
+def test_a_dead_vllm_is_a_clear_502_and_the_gateway_keeps_serving(tmp_path):
+    dead = start_in_thread(create_app(EmbeddedBackend(), config=GatewayConfig(record=False)))
+    backend = VLLMBackend(dead.url)
+    dead.stop()
+    with start_in_thread(
+        create_app(backend, config=GatewayConfig(adapter_root=tmp_path, record=False))
+    ) as outer:
+        r = httpx.post(
+            f"{outer.url}/v1/chat/completions",
+            json={
+                "model": backend.model_id,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+            },
+        )
+        assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
+        assert httpx.get(f"{outer.url}/health").status_code == 200
