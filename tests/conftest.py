@@ -12,6 +12,8 @@ from sqlalchemy import create_engine, text
 
 from trace_plugin.recorder import Recorder
 
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before anything imports litellm
+
 PG_SERVER = os.environ.get("TRACE_PLUGIN_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 # CI sets this: there a missing PostgreSQL is a failure, not a skip.
 REQUIRE_PG = os.environ.get("TRACE_PLUGIN_REQUIRE_POSTGRES") == "1"
@@ -79,6 +81,14 @@ def recorder(db_url) -> Iterator[Recorder]:
 def local_recorder(sqlite_url) -> Iterator[Recorder]:
     """A recorder on a SQLite file, for tests about capture rather than the database."""
     yield from _recorder(sqlite_url)
+
+
+@pytest.fixture(scope="session")
+def embedded_backend():
+    """The real SmolLM2-135M behind the embedded backend, loaded once per test session."""
+    from trace_plugin.gateway.embedded import EmbeddedBackend
+
+    return EmbeddedBackend(max_batch=8)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

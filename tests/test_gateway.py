@@ -37,8 +37,8 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def backend() -> EmbeddedBackend:
-    return EmbeddedBackend(max_batch=8)
+def backend(embedded_backend) -> EmbeddedBackend:
+    return embedded_backend
 
 
 @pytest.fixture(scope="module")

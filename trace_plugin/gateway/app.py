@@ -24,9 +24,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from trace_plugin.conversations import ConversationEpisodes, ModelCall
 from trace_plugin.gateway.adapters import AdapterError, AdapterRegistry
 from trace_plugin.gateway.backend import Backend, BackendError, Completion, SamplingParams
-from trace_plugin.gateway.episodes import ConversationEpisodes
 from trace_plugin.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,7 +37,7 @@ from trace_plugin.gateway.routing import Router, StaticRouter
 from trace_plugin.recorder import Recorder
 from trace_plugin.tool_calls import parse_completion
 from trace_plugin.tracer import Tracer
-from trace_plugin.trajectory import EpisodeEnd, Step, utcnow
+from trace_plugin.trajectory import utcnow
 
 EPISODE_HEADER = "X-Trace-Episode"
 AGENT_HEADER = "X-Trace-Agent"
@@ -226,44 +226,30 @@ def create_app(
         t0: float,
     ) -> str:
         meta = body.metadata or {}
-        agent = request.headers.get(AGENT_HEADER) or meta.get("trace_agent") or config.agent
-        explicit = request.headers.get(EPISODE_HEADER) or meta.get("trace_episode_id")
-        tracer, active = episodes.begin(agent, messages, explicit, model=backend.model_id, adapter=served)
-        reply = response["choices"][0]["message"]
-        output = (
-            reply
-            if len(response["choices"]) == 1
-            else {"choices": [c["message"] for c in response["choices"]]}
-        )
+        choices = [c["message"] for c in response["choices"]]
         token_ids = None
         if body.return_token_ids:
             token_ids = {
                 "prompt": completions[0].prompt_token_ids,
                 "completions": [c.token_ids for c in completions],
             }
-        tracer.record_step(
-            Step(
-                episode_id=active.id,
-                seq=active.next_seq(),
-                kind="llm",
-                name=served or backend.model_id,
-                input={"messages": messages, "tools": [t["function"]["name"] for t in tools or ()]},
-                output=output,
+        return episodes.record(
+            ModelCall(
+                agent=request.headers.get(AGENT_HEADER) or meta.get("trace_agent") or config.agent,
+                messages=messages,
+                model=backend.model_id,
+                reply=choices[0],
+                tools=tools,
+                episode_id=request.headers.get(EPISODE_HEADER) or meta.get("trace_episode_id"),
+                adapter=served,
+                output=choices[0] if len(choices) == 1 else {"choices": choices},
                 prompt_tokens=response["usage"]["prompt_tokens"],
                 completion_tokens=response["usage"]["completion_tokens"],
                 latency_ms=(time.perf_counter() - t0) * 1000,
                 started_at=started,
-                ended_at=utcnow(),
                 token_ids=token_ids,
-                tools=tools,
             )
         )
-        episodes.after_reply(active.id, messages, reply)
-        if not reply.get("tool_calls"):  # a final answer ends the episode (a later call may extend it)
-            tracer.recorder.submit(
-                EpisodeEnd(active.id, "completed", output=reply, model=backend.model_id), tracer.policy
-            )
-        return active.id
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest) -> Any:

@@ -1,0 +1,132 @@
+"""litellm capture: a ``CustomLogger`` that records every ``completion`` / ``acompletion``.
+
+    import litellm
+    from integrations.litellm import TraceLogger
+    litellm.callbacks = [TraceLogger(agent="support")]
+
+Calls are grouped into episodes like the gateway's: by ``metadata={"trace_episode_id":
+...}`` on the call, else by following the conversation. litellm runs loggers after the
+call returns, on its own workers: call ``logger.flush()`` (or ``await logger.aflush()``)
+before reading the store in the same process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price-list download at import
+
+from litellm.integrations.custom_logger import CustomLogger  # noqa: E402
+
+from trace_plugin.conversations import ConversationEpisodes, ModelCall  # noqa: E402
+from trace_plugin.recorder import Recorder  # noqa: E402
+from trace_plugin.tracer import Tracer  # noqa: E402
+
+log = logging.getLogger("trace_plugin")
+
+
+class TraceLogger(CustomLogger):
+    """Records litellm calls as LLM steps. Never raises into litellm or the caller."""
+
+    def __init__(
+        self, agent: str = "litellm", *, recorder: Recorder | None = None, redact: Any = None
+    ) -> None:
+        super().__init__()
+        self.agent = agent
+        self._tracers: dict[str, Tracer] = {}
+        self._recorder, self._redact = recorder, redact
+        self.episodes = ConversationEpisodes(self._tracer_for)
+        self._pending: set[str] = set()  # litellm_call_ids announced but not yet recorded
+        self._idle = threading.Condition()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every call made so far has been recorded (litellm logs from its own
+        thread pool and event-loop worker, after the call has returned)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending, timeout)
+
+    async def aflush(self, timeout: float = 10.0) -> bool:
+        """:meth:`flush` for async code: lets litellm's logging tasks on this loop run."""
+        deadline = time.monotonic() + timeout
+        while self._pending:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    def _tracer_for(self, agent: str) -> Tracer:
+        if agent not in self._tracers:
+            self._tracers[agent] = Tracer(
+                agent, source="litellm", recorder=self._recorder, redact=self._redact
+            )
+        return self._tracers[agent]
+
+    # litellm passes these by keyword, with exactly these names.
+    def log_pre_api_call(self, model, messages, kwargs) -> None:
+        call_id = kwargs.get("litellm_call_id")
+        if call_id:
+            with self._idle:
+                self._pending.add(call_id)
+
+    def log_success_event(self, kwargs, response_obj, start_time, end_time) -> None:
+        self._record(kwargs, response_obj, start_time, end_time, error=None)
+
+    def log_failure_event(self, kwargs, response_obj, start_time, end_time) -> None:
+        self._record(kwargs, None, start_time, end_time, error=_error_text(kwargs, response_obj))
+
+    async def async_log_success_event(self, kwargs, response_obj, start_time, end_time) -> None:
+        self._record(kwargs, response_obj, start_time, end_time, error=None)
+
+    async def async_log_failure_event(self, kwargs, response_obj, start_time, end_time) -> None:
+        self._record(kwargs, None, start_time, end_time, error=_error_text(kwargs, response_obj))
+
+    def _record(self, kwargs: dict[str, Any], response: Any, start: Any, end: Any, error: str | None) -> None:
+        try:
+            metadata = (kwargs.get("litellm_params") or {}).get("metadata") or {}
+            optional = kwargs.get("optional_params") or {}
+            reply, usage = None, {}
+            if response is not None and getattr(response, "choices", None):
+                reply = response.choices[0].message.model_dump(exclude_none=True)
+                usage = getattr(response, "usage", None) or {}
+            self.episodes.record(
+                ModelCall(
+                    agent=metadata.get("trace_agent") or self.agent,
+                    messages=[dict(m) for m in kwargs.get("messages") or []],
+                    model=str(kwargs.get("model")),
+                    reply=reply,
+                    tools=optional.get("tools") or kwargs.get("tools"),
+                    episode_id=metadata.get("trace_episode_id"),
+                    error=error,
+                    prompt_tokens=getattr(usage, "prompt_tokens", None),
+                    completion_tokens=getattr(usage, "completion_tokens", None),
+                    latency_ms=_ms(start, end),
+                    started_at=_utc(start),
+                )
+            )
+        except Exception:  # capture must never break the caller
+            log.exception("trace-plugin: could not record a litellm call")
+        finally:
+            with self._idle:
+                self._pending.discard(kwargs.get("litellm_call_id"))
+                self._idle.notify_all()
+
+
+def _error_text(kwargs: dict[str, Any], response: Any) -> str:
+    exc = kwargs.get("exception") or response
+    return f"{type(exc).__name__}: {exc}" if isinstance(exc, BaseException) else str(exc)
+
+
+def _utc(value: Any) -> datetime | None:
+    return value.astimezone(UTC) if isinstance(value, datetime) else None  # naive means local time
+
+
+def _ms(start: Any, end: Any) -> float | None:
+    if isinstance(start, datetime) and isinstance(end, datetime):
+        return (end - start).total_seconds() * 1000
+    return None

@@ -1,0 +1,107 @@
+"""litellm capture, against the embedded gateway serving the real SmolLM2-135M."""
+
+from __future__ import annotations
+
+import pytest
+
+from integrations.litellm import TraceLogger
+from trace_plugin import Recorder
+from trace_plugin.gateway.app import GatewayConfig, create_app
+from trace_plugin.gateway.server import start_in_thread
+
+litellm = pytest.importorskip("litellm")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def gateway(embedded_backend):
+    with start_in_thread(create_app(embedded_backend, config=GatewayConfig(record=False))) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def logger(tmp_path_factory):
+    """One logger for the module: litellm keeps callbacks it has seen in internal lists."""
+    recorder = Recorder(f"sqlite:///{tmp_path_factory.mktemp('lite') / 'trace.db'}")
+    logger = TraceLogger(agent="lite", recorder=recorder)
+    previous, litellm.callbacks = litellm.callbacks, [logger]
+    yield logger
+    litellm.callbacks = previous
+    recorder.close()
+
+
+def episodes(logger, agent):
+    recorder = logger._tracer_for(agent).recorder
+    assert recorder.flush(10)
+    return [recorder.store.get_episode(e.id) for e in recorder.store.list_episodes(agent)]
+
+
+def test_completion_is_recorded(gateway, embedded_backend, logger):
+    response = litellm.completion(
+        model=f"openai/{embedded_backend.model_id}",
+        api_base=gateway.url + "/v1",
+        api_key="unused",
+        messages=[{"role": "user", "content": "Name a color."}],
+        temperature=0,
+        max_tokens=10,
+        metadata={"trace_agent": "lite-sync"},
+    )
+    assert logger.flush()
+    [episode] = episodes(logger, "lite-sync")
+    [step] = episode.steps
+    assert episode.source == "litellm" and step.kind == "llm"
+    assert step.input["messages"] == [{"role": "user", "content": "Name a color."}]
+    assert step.output["content"] == response.choices[0].message.content
+    assert step.prompt_tokens == response.usage.prompt_tokens and step.latency_ms > 0
+    assert episode.status == "completed"
+
+
+async def test_acompletion_grouped_by_episode_id(gateway, embedded_backend, logger):
+    for question in ("Hi", "Bye"):
+        await litellm.acompletion(
+            model=f"openai/{embedded_backend.model_id}",
+            api_base=gateway.url + "/v1",
+            api_key="unused",
+            messages=[{"role": "user", "content": question}],
+            max_tokens=4,
+            metadata={"trace_episode_id": "lite-1", "trace_agent": "lite-async"},
+        )
+    assert await logger.aflush()
+    [episode] = episodes(logger, "lite-async")
+    assert episode.id == "lite-1" and len(episode.steps) == 2
+
+
+def test_failures_are_recorded_and_still_reach_the_caller(logger):
+    with pytest.raises(Exception, match="Connection|connect"):
+        litellm.completion(
+            model="openai/x",
+            api_base="http://127.0.0.1:9/v1",
+            api_key="unused",
+            messages=[{"role": "user", "content": "hi"}],
+            num_retries=0,
+            max_retries=0,
+            metadata={"trace_agent": "lite-fail"},
+        )
+    assert logger.flush()
+    [episode] = episodes(logger, "lite-fail")
+    assert "onnect" in episode.steps[0].error
+
+
+def test_tool_schemas_are_captured_with_mock_responses(logger):
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "get_order", "parameters": {"type": "object", "properties": {}}},
+        }
+    ]
+    litellm.completion(
+        model="openai/x",
+        messages=[{"role": "user", "content": "o?"}],
+        tools=tools,
+        mock_response="It shipped.",
+        metadata={"trace_agent": "lite-tools"},
+    )
+    assert logger.flush()
+    [episode] = episodes(logger, "lite-tools")
+    assert episode.steps[0].input["tools"] == ["get_order"]
+    assert logger._tracer_for("lite-tools").recorder.store.tool_schemas("lite-tools") == tools

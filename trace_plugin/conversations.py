@@ -1,0 +1,139 @@
+"""Grouping separate model calls into episodes: the gateway's and litellm's capture.
+
+Neither source sees the agent's run, only its model calls. A call belongs to the episode
+its client names (the gateway's ``X-Trace-Episode`` header, or ``trace_episode_id`` in
+the request metadata). Otherwise we follow the conversation: an agent's next call repeats
+the messages of its last call plus the reply and what came after, so a call whose
+messages extend a recorded exchange continues that exchange's episode, and any other call
+starts a new one. A reply without tool calls ends the episode; a later call extending it
+reopens nothing, it just adds steps and a newer end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from trace_plugin.chat_template import arguments_object, content_text
+from trace_plugin.tracer import ActiveEpisode, Tracer
+from trace_plugin.trajectory import EpisodeEnd, Step, utcnow
+
+_MAX_TRACKED = 10_000
+
+
+def _digest(previous: bytes, message: dict[str, Any]) -> bytes:
+    """Chained digest of a message, blind to how clients re-serialize it (None vs "" content,
+    argument JSON spacing and escaping)."""
+    calls = [
+        [c["function"]["name"], arguments_object(c["function"].get("arguments")), c.get("id")]
+        for c in message.get("tool_calls") or []
+    ]
+    canonical = [
+        message.get("role"),
+        content_text(message.get("content")),
+        calls,
+        message.get("tool_call_id"),
+    ]
+    return hashlib.sha256(previous + json.dumps(canonical, sort_keys=True, default=str).encode()).digest()
+
+
+def prefix_digests(messages: list[dict[str, Any]]) -> list[bytes]:
+    """Digest of every prefix of ``messages`` (the i-th covers messages[: i + 1])."""
+    digests, current = [], b""
+    for message in messages:
+        current = _digest(current, message)
+        digests.append(current)
+    return digests
+
+
+@dataclass(slots=True)
+class ModelCall:
+    """One chat-completion call as a capture source saw it (OpenAI message format)."""
+
+    agent: str
+    messages: list[dict[str, Any]]
+    model: str
+    reply: dict[str, Any] | None = None  # the first choice's assistant message
+    tools: list[dict[str, Any]] | None = None
+    episode_id: str | None = None
+    adapter: str | None = None
+    output: Any = None  # what to store as the step's output; defaults to ``reply``
+    error: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    latency_ms: float | None = None
+    started_at: datetime | None = None
+    token_ids: Any = None
+
+
+class ConversationEpisodes:
+    """Records model calls as steps of the episodes they belong to, per agent."""
+
+    def __init__(self, tracer_for: Callable[[str], Tracer]) -> None:
+        self._tracer_for = tracer_for
+        self._by_id: OrderedDict[str, tuple[Tracer, ActiveEpisode]] = OrderedDict()
+        self._by_digest: OrderedDict[bytes, str] = OrderedDict()
+        self._lock = threading.Lock()  # litellm calls its loggers from many threads
+
+    def record(self, call: ModelCall) -> str:
+        """Store ``call`` as an LLM step; returns its episode id."""
+        with self._lock:
+            tracer, active = self._begin(call)
+            if call.reply is not None:
+                self._remember(self._by_digest, prefix_digests([*call.messages, call.reply])[-1], active.id)
+        tracer.record_step(
+            Step(
+                episode_id=active.id,
+                seq=active.next_seq(),
+                kind="llm",
+                name=call.adapter or call.model,
+                input={"messages": call.messages, "tools": [_tool_name(t) for t in call.tools or ()]},
+                output=call.output if call.output is not None else call.reply,
+                error=call.error,
+                prompt_tokens=call.prompt_tokens,
+                completion_tokens=call.completion_tokens,
+                latency_ms=call.latency_ms,
+                started_at=call.started_at,
+                ended_at=utcnow(),
+                token_ids=call.token_ids,
+                tools=call.tools,
+            )
+        )
+        if call.reply is not None and not call.reply.get("tool_calls"):
+            end = EpisodeEnd(active.id, "completed", output=call.reply, model=call.model)
+            tracer.recorder.submit(end, tracer.policy)
+        return active.id
+
+    def _begin(self, call: ModelCall) -> tuple[Tracer, ActiveEpisode]:
+        episode_id = call.episode_id
+        if episode_id is None:
+            for digest in reversed(prefix_digests(call.messages)):
+                if digest in self._by_digest:
+                    episode_id = self._by_digest[digest]
+                    break
+        if episode_id is not None and episode_id in self._by_id:
+            self._by_id.move_to_end(episode_id)
+            return self._by_id[episode_id]
+        tracer = self._tracer_for(call.agent)
+        active = tracer.start_episode(
+            {"messages": call.messages}, episode_id=episode_id, model=call.model, adapter=call.adapter
+        )
+        self._remember(self._by_id, active.id, (tracer, active))
+        return tracer, active
+
+    @staticmethod
+    def _remember(table: OrderedDict, key: Any, value: Any) -> None:
+        table[key] = value
+        table.move_to_end(key)
+        while len(table) > _MAX_TRACKED:
+            table.popitem(last=False)
+
+
+def _tool_name(tool: dict[str, Any]) -> str:
+    return str(tool.get("function", tool).get("name", "?"))
