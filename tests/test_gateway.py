@@ -9,7 +9,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_support import make_adapter
 from openai import OpenAI
 
 from trace_plugin import Recorder
@@ -17,6 +16,7 @@ from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.embedded import EmbeddedBackend
 from trace_plugin.gateway.routing import KeywordRouter
 from trace_plugin.gateway.server import start_in_thread
+from training.lora import random_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -44,9 +44,9 @@ def backend(embedded_backend) -> EmbeddedBackend:
 @pytest.fixture(scope="module")
 def adapter_root(backend, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("adapters")
-    make_adapter(backend.model_dir, root / "alpha" / "1", seed=1)
-    make_adapter(backend.model_dir, root / "alpha" / "2", seed=2)
-    make_adapter(backend.model_dir, root / "beta" / "1", seed=3)
+    random_adapter(backend.model_dir, root / "alpha" / "1", seed=1)
+    random_adapter(backend.model_dir, root / "alpha" / "2", seed=2)
+    random_adapter(backend.model_dir, root / "beta" / "1", seed=3)
     return root
 
 
@@ -372,7 +372,7 @@ def test_adapter_paths_are_confined_to_the_root(
     gateway, backend, adapter_root, tmp_path_factory, path, status
 ):
     if path == "escape" and not (adapter_root / "escape").exists():  # a symlink inside the root leading out
-        outside = make_adapter(backend.model_dir, tmp_path_factory.mktemp("outside") / "a", seed=5)
+        outside = random_adapter(backend.model_dir, tmp_path_factory.mktemp("outside") / "a", seed=5)
         (adapter_root / "escape").symlink_to(outside)
     if path == "broken":
         (adapter_root / "broken").mkdir(exist_ok=True)

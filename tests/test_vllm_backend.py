@@ -7,13 +7,13 @@ import threading
 
 import httpx
 import pytest
-from gateway_support import make_adapter
 from openai import OpenAI
 
 from integrations.vllm import VLLMBackend
 from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.embedded import EmbeddedBackend
 from trace_plugin.gateway.server import start_in_thread
+from training.lora import random_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -23,8 +23,8 @@ def stack(tmp_path_factory):
     """A stand-in vLLM server (the embedded gateway) and our gateway in front of it."""
     root = tmp_path_factory.mktemp("adapters")
     inner_backend = EmbeddedBackend()
-    make_adapter(inner_backend.model_dir, root / "alpha" / "1", seed=11)
-    make_adapter(inner_backend.model_dir, root / "alpha" / "2", seed=12)
+    random_adapter(inner_backend.model_dir, root / "alpha" / "1", seed=11)
+    random_adapter(inner_backend.model_dir, root / "alpha" / "2", seed=12)
     vllm_like = GatewayConfig(adapter_root=root, record=False, hot_swap=False)  # vLLM: names are independent
     inner = start_in_thread(create_app(inner_backend, config=vllm_like))
     outer_backend = VLLMBackend(inner.url)

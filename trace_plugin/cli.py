@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from trace_plugin.store import DB_URL_ENV, Store
+from trace_plugin.store import DB_URL_ENV, Store, data_dir
 from trace_plugin.trajectory import Episode
 
 app = typer.Typer(
@@ -139,3 +140,65 @@ def stats(db: DbOption = None) -> None:
             r.agent, str(r.episodes), str(r.finished), str(r.with_outcome), rate, _fmt_num(r.mean_reward)
         )
     console.print(table)
+
+
+@app.command("serve")
+def serve(
+    model: Annotated[
+        str | None, typer.Option(help="Local HF model dir or .gguf; default: the embedded SmolLM2-135M.")
+    ] = None,
+    vllm_url: Annotated[
+        str | None, typer.Option(help="Front this vLLM server instead of running the model here.")
+    ] = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    adapter_root: Annotated[
+        Path | None, typer.Option(help="Adapters must live under this directory.")
+    ] = None,
+    adapter: Annotated[
+        list[str] | None, typer.Option(help="NAME@VERSION=PATH to load at start (repeatable).")
+    ] = None,
+    route: Annotated[
+        list[str] | None, typer.Option(help="KEYWORD[,KEYWORD...]=ADAPTER keyword-routing rule (repeatable).")
+    ] = None,
+    agent: Annotated[
+        str, typer.Option(help="Agent name for calls that do not send X-Trace-Agent.")
+    ] = "gateway",
+    admin_token: Annotated[str | None, typer.Option(envvar="TRACE_PLUGIN_ADMIN_TOKEN")] = None,
+    allow_remote_admin: bool = False,
+    record: Annotated[bool, typer.Option(help="Record every call into the store.")] = True,
+    db: DbOption = None,
+) -> None:
+    """Serve an OpenAI-compatible API with LoRA experts, routing and capture."""
+    import uvicorn
+
+    from trace_plugin.gateway.app import GatewayConfig, create_app
+    from trace_plugin.gateway.routing import KeywordRouter
+    from trace_plugin.recorder import configure
+
+    if vllm_url:
+        from integrations.vllm import VLLMBackend
+
+        backend: Any = VLLMBackend(vllm_url, model=model)
+    else:
+        from trace_plugin.gateway.embedded import EmbeddedBackend
+
+        backend = EmbeddedBackend(model)
+    rules = []
+    for rule in route or []:
+        words, _, target = rule.partition("=")
+        if not target:
+            raise typer.BadParameter(f"route {rule!r} is not KEYWORDS=ADAPTER")
+        rules.append((words.split(","), target))
+    config = GatewayConfig(
+        adapter_root=adapter_root or data_dir() / "adapters",
+        agent=agent,
+        admin_token=admin_token,
+        allow_remote_admin=allow_remote_admin,
+        record=record,
+        adapters=dict(spec.partition("=")[::2] for spec in adapter or []),
+    )
+    config.adapter_root.mkdir(parents=True, exist_ok=True)
+    application = create_app(backend, config=config, router=KeywordRouter(rules), recorder=configure(db))
+    console.print(f"serving [bold]{backend.model_id}[/] at http://{host}:{port}/v1")
+    uvicorn.run(application, host=host, port=port, log_level="info")

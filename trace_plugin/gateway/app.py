@@ -66,6 +66,7 @@ class GatewayConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     # name@version hot-swap; False keeps vLLM's semantics (each adapter name independent).
     hot_swap: bool = True
+    adapters: dict[str, str] = field(default_factory=dict)  # name@version -> path, loaded at start
 
 
 def create_app(
@@ -89,6 +90,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        for name, path in config.adapters.items():
+            await registry.load(name, path)
         yield
         await backend.close()
 

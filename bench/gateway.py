@@ -1,0 +1,202 @@
+"""The gateway's cost over calling the model directly, and how fast a new expert goes live.
+
+Side by side in one run, on the embedded SmolLM2-135M (CPU):
+- tokens/s of greedy generation through the gateway (HTTP, template, parsing, capture)
+  against ``model.generate`` on the same prompts, alternating;
+- seconds from ``POST /v1/load_lora_adapter`` (rank 8) to the first response served by
+  that adapter, which includes validation, loading, the liveness probe and the request;
+- the share of request time spent in the router (keyword router, agent-addressed requests);
+- failed requests while a new version is hot-swapped under 8 concurrent clients.
+
+Usage: python bench/gateway.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from trace_plugin import Recorder
+from trace_plugin.gateway.app import GatewayConfig, create_app
+from trace_plugin.gateway.embedded import EmbeddedBackend
+from trace_plugin.gateway.routing import KeywordRouter
+from trace_plugin.gateway.server import start_in_thread
+from training.lora import random_adapter
+
+PROMPTS = [
+    "Write two sentences about the sea.",
+    "List four fruits and their colors.",
+    "Explain what a database index is.",
+    "Describe a quiet morning in a city.",
+]
+
+
+def direct_tokens_per_s(backend: EmbeddedBackend, rounds: int, max_tokens: int) -> tuple[float, int]:
+    tokens, elapsed = 0, 0.0
+    eos = backend.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for _ in range(rounds):
+        for text in PROMPTS:
+            prompt = backend.render([{"role": "user", "content": text}], None)
+            enc = backend.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = backend.model.generate(
+                    **enc,
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
+                    temperature=None,
+                    top_p=None,
+                    top_k=None,
+                    eos_token_id=eos,
+                )
+            elapsed += time.perf_counter() - start
+            tokens += out.shape[1] - enc.input_ids.shape[1]
+    return tokens / elapsed, tokens
+
+
+def gateway_tokens_per_s(url: str, model: str, rounds: int, max_tokens: int) -> tuple[float, int]:
+    tokens, elapsed = 0, 0.0
+    with httpx.Client(base_url=url, timeout=300) as client:
+        for _ in range(rounds):
+            for text in PROMPTS:
+                body = {
+                    "model": model,
+                    "messages": [{"role": "user", "content": text}],
+                    "temperature": 0,
+                    "max_tokens": max_tokens,
+                }
+                start = time.perf_counter()
+                response = client.post("/v1/chat/completions", json=body).json()
+                elapsed += time.perf_counter() - start
+                tokens += response["usage"]["completion_tokens"]
+    return tokens / elapsed, tokens
+
+
+def first_response_after_load(url: str, name: str, path: str) -> float:
+    start = time.perf_counter()
+    response = httpx.post(
+        f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, timeout=120
+    )
+    response.raise_for_status()
+    alias = name.split("@")[0]
+    served = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=120,
+        json={"model": alias, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1},
+    ).json()
+    assert served["model"] == name, served
+    return time.perf_counter() - start
+
+
+def routing_overhead(app, url: str, requests: int) -> float:
+    app.state.routing_seconds = 0.0
+    total = 0.0
+    with httpx.Client(base_url=url, timeout=120) as client:
+        for i in range(requests):
+            text = "I want a refund for order 12" if i % 2 else "Where is my order 12?"
+            start = time.perf_counter()
+            client.post(
+                "/v1/chat/completions",
+                json={"model": "support", "messages": [{"role": "user", "content": text}], "max_tokens": 4},
+            )
+            total += time.perf_counter() - start
+    return app.state.routing_seconds / total
+
+
+def swap_under_load(url: str, name: str, path: str, clients: int, per_client: int) -> tuple[int, int]:
+    failures, done = [], []
+
+    def worker() -> None:
+        with httpx.Client(base_url=url, timeout=120) as client:
+            for _ in range(per_client):
+                r = client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": name.split("@")[0],
+                        "messages": [{"role": "user", "content": "Hi"}],
+                        "max_tokens": 2,
+                    },
+                )
+                (done if r.status_code == 200 else failures).append(r.status_code)
+
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    httpx.post(
+        f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, timeout=120
+    ).raise_for_status()
+    for t in threads:
+        t.join()
+    return len(failures), len(done)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    rounds, max_tokens, route_requests, per_client = (1, 24, 10, 3) if args.quick else (4, 64, 40, 8)
+    console = Console()
+
+    backend = EmbeddedBackend()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for name, seed in (("refunds/1", 1), ("refunds/2", 2), ("refunds/3", 3)):
+            random_adapter(backend.model_dir, root / name, seed=seed)
+        recorder = Recorder(f"sqlite:///{root / 'bench.db'}")
+        app = create_app(
+            backend,
+            config=GatewayConfig(adapter_root=root, agent="support"),
+            router=KeywordRouter([(["refund"], "refunds")]),
+            recorder=recorder,
+        )
+        with start_in_thread(app) as server:
+            gateway_tokens_per_s(server.url, backend.model_id, 1, 4)  # warm up both paths
+            direct_tokens_per_s(backend, 1, 4)
+            via_gateway, direct = [], []
+            for _ in range(rounds):  # alternate to share the machine's drift
+                direct.append(direct_tokens_per_s(backend, 1, max_tokens)[0])
+                via_gateway.append(gateway_tokens_per_s(server.url, backend.model_id, 1, max_tokens)[0])
+            gateway_tps, direct_tps = sum(via_gateway) / rounds, sum(direct) / rounds
+            load_s = first_response_after_load(server.url, "refunds@1", "refunds/1")
+            route_frac = routing_overhead(app, server.url, route_requests)
+            failed, served = swap_under_load(server.url, "refunds@2", "refunds/2", 8, per_client)
+        recorder.close()
+
+    table = Table(title="Gateway vs direct generate, same prompts, greedy")
+    for col in ("figure", "measured", "target"):
+        table.add_column(col)
+    table.add_row("direct model.generate tokens/s", f"{direct_tps:.1f}", "")
+    table.add_row("gateway tokens/s", f"{gateway_tps:.1f}", "")
+    table.add_row("throughput ratio", f"{gateway_tps / direct_tps:.3f}", "≥ 0.9")
+    table.add_row("load_lora_adapter → first response (rank 8)", f"{load_s:.3f} s", "< 1 s")
+    table.add_row("routing share of request time", f"{route_frac:.5f}", "≤ 0.10")
+    table.add_row("failed requests during hot-swap", f"{failed} of {failed + served}", "0")
+    console.print(table)
+    print(
+        json.dumps(
+            {
+                "bench": "gateway",
+                "quick": args.quick,
+                "throughput_ratio": round(gateway_tps / direct_tps, 4),
+                "hotswap_first_response_s": round(load_s, 4),
+                "routing_overhead_frac": round(route_frac, 6),
+                "failed_requests_during_swap": failed,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
