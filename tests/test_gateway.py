@@ -184,6 +184,21 @@ def test_streaming_and_completions(client, backend):
     assert "Paris" in completion.choices[0].text
 
 
+def test_n_choices_and_tool_choice_none(client, backend):
+    messages = [{"role": "user", "content": "Where is W1?"}]
+    sampled = client.chat.completions.create(
+        model=backend.model_id, messages=messages, n=3, temperature=1.0, max_tokens=8, seed=7
+    )
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+    with_tools = client.chat.completions.create(
+        model=backend.model_id, messages=messages, tools=TOOLS, max_tokens=1
+    )
+    without = client.chat.completions.create(
+        model=backend.model_id, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=1
+    )
+    assert without.usage.prompt_tokens < with_tools.usage.prompt_tokens
+
+
 def test_logprobs_and_token_ids(client, backend):
     response = greedy(
         client, backend.model_id, "Hi", max_tokens=5, logprobs=True, extra_body={"return_token_ids": True}
