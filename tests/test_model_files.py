@@ -24,7 +24,7 @@ def test_missing_models_name_the_missing_file(tmp_path, monkeypatch):
 
 def test_the_template_is_trls_qwen2_5_layout():
     trl_templates = pytest.importorskip("trl.chat_template_utils")
-    assert TOOL_CHAT_TEMPLATE == trl_templates.qwen2_5_chat_template
+    assert trl_templates.qwen2_5_chat_template == TOOL_CHAT_TEMPLATE
 
 
 def test_converted_copy_is_plain_and_carries_the_tool_template():
