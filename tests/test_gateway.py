@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from load import swap_under_load
 from openai import OpenAI
 
 from trace_plugin import Recorder
@@ -338,29 +339,14 @@ def test_router_picks_the_adapter_for_agent_requests(client, gateway):
 
 def test_hot_swap_under_load_drops_nothing_and_rolls_back(client, gateway):
     ensure_loaded(gateway, "alpha@1", "alpha/1")
-    failures, served = [], []
-    stop = threading.Event()
 
-    def worker():
-        while not stop.is_set():
-            try:
-                served.append(greedy(client, "alpha", "Hello!", max_tokens=3).model)
-            except Exception as exc:  # any failed request fails the test
-                failures.append(exc)
+    def swap():
+        r = admin(gateway, "load_lora_adapter", lora_name="alpha@2", lora_path="alpha/2")
+        assert r.status_code == 200, r.text
 
-    threads = [threading.Thread(target=worker) for _ in range(8)]
-    for t in threads:
-        t.start()
-    while len(served) < 16:
-        threading.Event().wait(0.05)
-    r = admin(gateway, "load_lora_adapter", lora_name="alpha@2", lora_path="alpha/2")
-    assert r.status_code == 200, r.text
-    mark = len(served)
-    while len(served) < mark + 16:
-        threading.Event().wait(0.05)
-    stop.set()
-    for t in threads:
-        t.join()
+    served, failures, mark = swap_under_load(
+        lambda: greedy(client, "alpha", "Hello!", max_tokens=3).model, swap
+    )
     assert failures == []
     assert served[-1] == "alpha@2" and "alpha@1" in served
     assert all(m == "alpha@2" for m in served[mark + 8 :]), "the new version serves once it is live"

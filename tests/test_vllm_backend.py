@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import pytest
+from load import swap_under_load
 from openai import OpenAI
 
 from integrations.vllm import VLLMBackend
@@ -77,37 +76,19 @@ def test_runtime_lora_through_the_vllm_contract_and_hot_swap(stack):
     )
 
     client = OpenAI(base_url=outer.url + "/v1", api_key="x", max_retries=0)
-    failures, models, stop = [], [], threading.Event()
 
-    def worker():
-        while not stop.is_set():
-            try:
-                models.append(
-                    client.chat.completions.create(
-                        model="alpha",
-                        messages=[{"role": "user", "content": "Hi"}],
-                        max_tokens=2,
-                        temperature=0,
-                    ).model
-                )
-            except Exception as exc:
-                failures.append(exc)
+    def call() -> str:
+        messages = [{"role": "user", "content": "Hi"}]
+        return client.chat.completions.create(
+            model="alpha", messages=messages, max_tokens=2, temperature=0
+        ).model
 
-    threads = [threading.Thread(target=worker) for _ in range(8)]
-    for t in threads:
-        t.start()
-    while len(models) < 8:
-        threading.Event().wait(0.05)
-    r = httpx.post(
-        f"{outer.url}/v1/load_lora_adapter", json={"lora_name": "alpha@2", "lora_path": "alpha/2"}, timeout=60
-    )
-    assert r.status_code == 200, r.text
-    mark = len(models)
-    while len(models) < mark + 16:
-        threading.Event().wait(0.05)
-    stop.set()
-    for t in threads:
-        t.join()
+    def swap() -> None:
+        body = {"lora_name": "alpha@2", "lora_path": "alpha/2"}
+        r = httpx.post(f"{outer.url}/v1/load_lora_adapter", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+
+    models, failures, _ = swap_under_load(call, swap, before=8)
     assert failures == [] and models[-1] == "alpha@2"
     loaded = {m["id"] for m in httpx.get(f"{inner.url}/v1/models").json()["data"]}
     assert "alpha@1" not in loaded, "the old version was unloaded from vLLM once drained"
