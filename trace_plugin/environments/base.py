@@ -1,0 +1,68 @@
+"""The environment protocol every environment implements, bundled or synthesized.
+
+An environment is a seeded, isolated world with tools: ``reset(seed)`` builds the world
+and returns the user's ticket, ``step(call)`` runs one tool call and returns what the
+tool said (errors included: an agent must be able to read and recover from them), and
+``reward(answer)`` grades the episode from the final state and the agent's last message.
+The same seed and the same calls always give the same observations and reward.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """What the user asks, everything they know stated up front, plus grading metadata."""
+
+    seed: int
+    prompt: str
+    kind: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RewardBreakdown:
+    """The episode's reward in [0, 1] and the named checks it was computed from."""
+
+    total: float
+    components: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_openai(cls, call: dict[str, Any]) -> ToolCall:
+        """From an OpenAI ``tool_calls`` entry; arguments that are not a JSON object become {}."""
+        function = call.get("function", call)
+        arguments = function.get("arguments") or {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = {"__unparsed__": arguments}
+        return cls(str(function.get("name", "")), arguments if isinstance(arguments, dict) else {})
+
+
+class Environment(Protocol):
+    tools: list[dict[str, Any]]  # OpenAI function schemas
+    system_prompt: str
+
+    def reset(self, seed: int) -> Task: ...
+
+    def step(self, call: ToolCall) -> str:
+        """Run one tool call; the observation is text (often JSON). Never raises."""
+        ...
+
+    @property
+    def done(self) -> bool: ...
+
+    def reward(self, answer: str = "") -> RewardBreakdown:
+        """Grade the episode so far, given the agent's final message to the user."""
+        ...
