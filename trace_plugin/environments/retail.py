@@ -379,7 +379,8 @@ def _make_task(seed: int, world: World, rng: random.Random) -> Task:
             }
         )
     elif kind in ("return_item", "refuse_return"):
-        prompt = f"I want to return the {item['name']} ({_options_text(item['options'])}) from order {order_id}. {ident}"
+        described = f"{item['name']} ({_options_text(item['options'])})"
+        prompt = f"I want to return the {described} from order {order_id}. {ident}"
         if kind == "return_item":
             reference.append(
                 {"name": "return_items", "arguments": {"order_id": order_id, "item_ids": [item["item_id"]]}}
