@@ -202,3 +202,64 @@ def serve(
     application = create_app(backend, config=config, router=KeywordRouter(rules), recorder=configure(db))
     console.print(f"serving [bold]{backend.model_id}[/] at http://{host}:{port}/v1")
     uvicorn.run(application, host=host, port=port, log_level="info")
+
+
+envs_app = typer.Typer(help="Training and target environments.", no_args_is_help=True)
+app.add_typer(envs_app, name="envs")
+
+
+def _environment(name: str) -> Any:
+    from trace_plugin.environments.retail import RetailEnv
+
+    factories = {"retail": RetailEnv}
+    if name not in factories:
+        raise typer.BadParameter(f"unknown environment {name!r}; known: {', '.join(sorted(factories))}")
+    return factories[name]
+
+
+@envs_app.command("serve")
+def envs_serve(
+    name: str,
+    transport: Annotated[str, typer.Option(help="stdio or http")] = "stdio",
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    db: DbOption = None,
+) -> None:
+    """Serve an environment over MCP (each session gets its own instance)."""
+    import asyncio
+
+    from mcp_server.environments import build_server
+    from mcp_server.transport import serve_http, serve_stdio
+    from trace_plugin.recorder import configure
+
+    server = build_server(name, _environment(name), recorder=configure(db))
+    asyncio.run(serve_stdio(server) if transport == "stdio" else serve_http(server, host, port))
+
+
+@app.command("mcp-proxy")
+def mcp_proxy(
+    upstream: Annotated[
+        list[str], typer.Option(help="URL of a streamable-HTTP server, or a command (repeat for args).")
+    ],
+    transport: Annotated[str, typer.Option(help="stdio or http")] = "stdio",
+    host: str = "127.0.0.1",
+    port: int = 8200,
+    agent: Annotated[str, typer.Option(help="Agent name for the recorded episodes.")] = "mcp-proxy",
+    db: DbOption = None,
+) -> None:
+    """Sit between an MCP client and an MCP server, recording every tool call."""
+    import asyncio
+
+    from mcp_server.proxy import build_proxy, connect
+    from mcp_server.transport import serve_http, serve_stdio
+    from trace_plugin.recorder import configure
+
+    recorder = configure(db)
+
+    async def run() -> None:
+        target = upstream[0] if len(upstream) == 1 and upstream[0].startswith("http") else upstream
+        async with connect(target) as session:
+            server = build_proxy(session, agent=agent, recorder=recorder)
+            await (serve_stdio(server) if transport == "stdio" else serve_http(server, host, port))
+
+    asyncio.run(run())

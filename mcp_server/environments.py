@@ -10,18 +10,15 @@ state, and every episode played is recorded in the store with its reward.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import mcp.types as types
 from mcp.server.lowlevel import Server
-from starlette.applications import Starlette
-from starlette.routing import Route
 
 from trace_plugin.environments import Environment, ToolCall
 from trace_plugin.recorder import Recorder
@@ -49,15 +46,20 @@ class _Session:
     episode: ActiveEpisode | None = None
 
 
-def build_server(name: str, env_factory: Callable[[], Environment], *, recorder: Recorder | None = None) -> Server:
+def build_server(
+    name: str, env_factory: Callable[[], Environment], *, recorder: Recorder | None = None
+) -> Server:
     """An MCP server for environment ``name``; instances come from ``env_factory``."""
     server: Server = Server(f"trace-plugin-env-{name}")
     tracer = Tracer(f"env:{name}", source="mcp-env", recorder=recorder)
     sessions: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
     prototype = env_factory()
     env_tools = [
-        types.Tool(name=t["function"]["name"], description=t["function"].get("description"),
-                   inputSchema=t["function"]["parameters"])
+        types.Tool(
+            name=t["function"]["name"],
+            description=t["function"].get("description"),
+            inputSchema=t["function"]["parameters"],
+        )
         for t in prototype.tools
     ]
 
@@ -88,49 +90,36 @@ def build_server(name: str, env_factory: Callable[[], Environment], *, recorder:
             answer = {"role": "assistant", "content": arguments.get("answer", "")}
             tracer.end_episode(state.episode, output=answer)
             label = "success" if reward.total >= 1.0 else "failure"
-            tracer.recorder.submit(Feedback(state.episode.id, reward=reward.total, label=label, source="environment",
-                                            comment=json.dumps(reward.components)))
+            tracer.recorder.submit(
+                Feedback(
+                    state.episode.id,
+                    reward=reward.total,
+                    label=label,
+                    source="environment",
+                    comment=json.dumps(reward.components),
+                )
+            )
             state.episode = None
             return {"total": reward.total, "components": reward.components}
         started, t0 = utcnow(), time.perf_counter()
         observation = state.env.step(ToolCall(tool, arguments))
         is_error = observation.startswith('{"error"')
-        tracer.record_step(Step(
-            episode_id=state.episode.id, seq=state.episode.next_seq(), kind="tool", name=tool, input=arguments,
-            output=observation, error=json.loads(observation)["error"] if is_error else None,
-            latency_ms=(time.perf_counter() - t0) * 1000, started_at=started, ended_at=utcnow(),
-        ))
-        return types.CallToolResult(content=[types.TextContent(type="text", text=observation)], isError=is_error)
+        tracer.record_step(
+            Step(
+                episode_id=state.episode.id,
+                seq=state.episode.next_seq(),
+                kind="tool",
+                name=tool,
+                input=arguments,
+                output=observation,
+                error=json.loads(observation)["error"] if is_error else None,
+                latency_ms=(time.perf_counter() - t0) * 1000,
+                started_at=started,
+                ended_at=utcnow(),
+            )
+        )
+        return types.CallToolResult(
+            content=[types.TextContent(type="text", text=observation)], isError=is_error
+        )
 
     return server
-
-
-async def serve_stdio(server: Server) -> None:
-    from mcp.server.stdio import stdio_server
-
-    async with stdio_server() as (read, write):
-        await server.run(read, write, server.create_initialization_options())
-
-
-def http_app(server: Server) -> Starlette:
-    """A Starlette app serving ``server`` over streamable HTTP at ``/mcp``."""
-    from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
-
-    manager = StreamableHTTPSessionManager(app=server, stateless=False)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        async with manager.run():
-            yield
-
-    return Starlette(routes=[Route("/mcp", endpoint=_ASGI(manager.handle_request))], lifespan=lifespan)
-
-
-class _ASGI:
-    """Starlette treats a plain function endpoint as request -> response; an object is raw ASGI."""
-
-    def __init__(self, handle: Callable[..., Any]) -> None:
-        self.handle = handle
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.handle(scope, receive, send)

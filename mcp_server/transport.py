@@ -1,0 +1,48 @@
+"""Serving a low-level MCP server over stdio or streamable HTTP (at ``/mcp``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from mcp.server.lowlevel import Server
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+
+async def serve_stdio(server: Server) -> None:
+    from mcp.server.stdio import stdio_server
+
+    async with stdio_server() as (read, write):
+        await server.run(read, write, server.create_initialization_options())
+
+
+async def serve_http(server: Server, host: str = "127.0.0.1", port: int = 8100) -> None:
+    import uvicorn
+
+    await uvicorn.Server(uvicorn.Config(http_app(server), host=host, port=port, log_level="warning")).serve()
+
+
+def http_app(server: Server) -> Starlette:
+    """A Starlette app serving ``server`` over streamable HTTP at ``/mcp``."""
+    from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+
+    manager = StreamableHTTPSessionManager(app=server, stateless=False)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        async with manager.run():
+            yield
+
+    return Starlette(routes=[Route("/mcp", endpoint=_ASGI(manager.handle_request))], lifespan=lifespan)
+
+
+class _ASGI:
+    """Starlette treats a plain function endpoint as request -> response; an object is raw ASGI."""
+
+    def __init__(self, handle: Callable[..., Any]) -> None:
+        self.handle = handle
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.handle(scope, receive, send)

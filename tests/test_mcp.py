@@ -1,0 +1,190 @@
+"""MCP: the environment server and the recording proxy, over real stdio and HTTP sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamablehttp_client
+from mcp.shared.exceptions import McpError
+
+from mcp_server.environments import build_server
+from mcp_server.proxy import build_proxy, connect
+from mcp_server.transport import http_app
+from trace_plugin import Recorder, Store
+from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
+from trace_plugin.gateway.server import start_in_thread
+
+HERE = Path(__file__).parent
+pytestmark = pytest.mark.slow
+
+
+@asynccontextmanager
+async def http_session(url: str):
+    async with streamablehttp_client(url) as (read, write, _), ClientSession(read, write) as session:
+        await session.initialize()
+        yield session
+
+
+@asynccontextmanager
+async def stdio_session(*command: str, env: dict | None = None):
+    params = StdioServerParameters(command=command[0], args=list(command[1:]), env=env)
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        yield session
+
+
+async def play_reference(session: ClientSession, seed: int) -> float:
+    task = (await session.call_tool("env_reset", {"seed": seed})).structuredContent
+    reference = RetailEnv().reset(seed)
+    assert task["prompt"] == reference.prompt and "reference" not in task  # the answer key stays hidden
+    for call in reference.metadata["reference"]:
+        result = await session.call_tool(call["name"], call["arguments"])
+        assert not result.isError, result.content
+    answer = "Done. " + " ".join(reference.metadata["facts"])
+    return (await session.call_tool("env_reward", {"answer": answer})).structuredContent["total"]
+
+
+@pytest.fixture(scope="module")
+def env_server(tmp_path_factory):
+    recorder = Recorder(f"sqlite:///{tmp_path_factory.mktemp('env') / 'trace.db'}")
+    with start_in_thread(http_app(build_server("retail", RetailEnv, recorder=recorder))) as server:
+        server.recorder = recorder
+        yield server
+    recorder.close()
+
+
+async def test_stdio_session_plays_and_is_recorded(tmp_path):
+    db = f"sqlite:///{tmp_path / 'stdio.db'}"
+    env = {**os.environ, "TRACE_PLUGIN_DB_URL": db}
+    async with stdio_session(
+        sys.executable, "-m", "trace_plugin", "envs", "serve", "retail", env=env
+    ) as session:
+        names = {t.name for t in (await session.list_tools()).tools}
+        assert {"find_user", "get_order", "env_reset", "env_reward"} <= names
+        assert await play_reference(session, 3) == 1.0
+    store = Store(db)  # the server process flushed at exit
+    [episode] = store.list_episodes("env:retail")
+    assert episode.reward == 1.0 and episode.label == "success" and episode.metadata["task_seed"] == 3
+
+
+async def test_twenty_concurrent_http_clients_have_isolated_state(env_server):
+    seeds = list(TRAIN_SEEDS)[:20]
+
+    async def client(seed: int) -> float:
+        async with http_session(env_server.url + "/mcp") as session:
+            return await play_reference(session, seed)
+
+    rewards = await asyncio.gather(*(client(s) for s in seeds))
+    assert rewards == [1.0] * 20
+    assert env_server.recorder.flush(10)
+    stats = {s.agent: s for s in env_server.recorder.store.stats()}["env:retail"]
+    assert stats.successes >= 20
+
+
+async def test_malformed_and_unknown_calls_are_error_results(env_server):
+    async with http_session(env_server.url + "/mcp") as session:
+        early = await session.call_tool("get_order", {"order_id": "#W1"})
+        assert early.isError and "env_reset" in early.content[0].text
+        await session.call_tool("env_reset", {"seed": 5})
+        bad = await session.call_tool("get_order", {"order_id": 17})
+        assert bad.isError and "not of type 'string'" in bad.content[0].text
+        missing = await session.call_tool("cancel_order", {"order_id": "#W1"})
+        assert missing.isError and "reason" in missing.content[0].text
+        unknown = await session.call_tool("drop_tables", {})
+        assert unknown.isError and "unknown tool" in unknown.content[0].text
+
+
+def _proxy_in_thread(upstream, recorder):
+    """The proxy, connected to ``upstream``, served over HTTP on its own event loop."""
+    ready, holder = threading.Event(), {}
+
+    async def main():
+        async with connect(upstream) as session:
+            app = http_app(build_proxy(session, agent="proxied", recorder=recorder))
+            holder["server"] = start_in_thread(app)
+            ready.set()
+            while not holder.get("stop"):
+                await asyncio.sleep(0.05)
+            holder["server"].stop()
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    thread.start()
+    assert ready.wait(60)
+    return holder, thread
+
+
+@pytest.fixture
+def proxy_to_env(env_server, sqlite_url):
+    recorder = Recorder(sqlite_url)
+    holder, thread = _proxy_in_thread(env_server.url + "/mcp", recorder)
+    yield holder["server"], recorder
+    holder["stop"] = True
+    thread.join(10)
+    recorder.close()
+
+
+async def test_proxy_is_transparent_and_records_calls(env_server, proxy_to_env):
+    proxy, recorder = proxy_to_env
+    async with http_session(env_server.url + "/mcp") as direct, http_session(proxy.url + "/mcp") as proxied:
+        assert [t.model_dump() for t in (await proxied.list_tools()).tools] == [
+            t.model_dump() for t in (await direct.list_tools()).tools
+        ]
+        assert await play_reference(proxied, 9) == 1.0
+        bad = await proxied.call_tool("get_order", {"order_id": 17})
+        assert bad.isError and "not of type 'string'" in bad.content[0].text  # the upstream's own error
+    assert recorder.flush(10)
+    [episode] = [recorder.store.get_episode(e.id) for e in recorder.store.list_episodes("proxied")]
+    names = [s.name for s in episode.steps]
+    assert names[0] == "env_reset" and names[-1] == "get_order"
+    assert episode.steps[-1].error and episode.source == "mcp-proxy"
+    assert {t["function"]["name"] for t in recorder.store.tool_schemas("proxied")} >= {
+        "find_user",
+        "env_reset",
+    }
+
+
+async def test_proxy_groups_by_meta_trajectory_id(proxy_to_env):
+    proxy, recorder = proxy_to_env
+    async with http_session(proxy.url + "/mcp") as session:
+        await session.list_tools()
+        await session.call_tool("env_reset", {"seed": 1}, meta={"trace_episode_id": "traj-a"})
+        await session.call_tool("get_user", {"user_id": "x"}, meta={"trace_episode_id": "traj-b"})
+        await session.call_tool("get_user", {"user_id": "y"}, meta={"trace_episode_id": "traj-a"})
+    assert recorder.flush(10)
+    assert [s.name for s in recorder.store.get_episode("traj-a").steps] == ["env_reset", "get_user"]
+    assert len(recorder.store.get_episode("traj-b").steps) == 1
+
+
+async def test_proxy_survives_upstream_errors_huge_results_and_death(tmp_path):
+    recorder = Recorder(f"sqlite:///{tmp_path / 'proxy.db'}")
+    holder, thread = _proxy_in_thread([sys.executable, str(HERE / "mcp_upstream.py")], recorder)
+    try:
+        async with http_session(holder["server"].url + "/mcp") as session:
+            assert (await session.call_tool("echo", {"text": "hi"})).content[0].text == "hi"
+            failed = await session.call_tool("fail", {"reason": "nope"})
+            assert failed.isError and "nope" in failed.content[0].text
+            big = await session.call_tool("huge", {"size": 3_000_000})
+            assert len(big.content[0].text) == 3_000_000  # forwarded unchanged
+            died = await session.call_tool("die", {})
+            assert died.isError and "upstream error" in died.content[0].text
+            after = await session.call_tool("echo", {"text": "still there?"})
+            assert after.isError  # the upstream is gone, but the proxy answers
+            with pytest.raises(McpError):  # listing needs the upstream: an MCP error, not a hang
+                await session.list_tools()
+    finally:
+        holder["stop"] = True
+        thread.join(10)
+    assert recorder.flush(10)
+    [episode] = [recorder.store.get_episode(e.id) for e in recorder.store.list_episodes("proxied")]
+    by_name = {s.name: s for s in episode.steps}
+    assert by_name["huge"].output["__truncated__"] is True  # stored bounded, served whole
+    assert "nope" in by_name["fail"].error and "upstream error" in by_name["die"].error
+    recorder.close()
