@@ -188,3 +188,51 @@ async def test_proxy_survives_upstream_errors_huge_results_and_death(tmp_path):
     assert by_name["huge"].output["__truncated__"] is True  # stored bounded, served whole
     assert "nope" in by_name["fail"].error and "upstream error" in by_name["die"].error
     recorder.close()
+
+
+async def test_langgraph_agent_on_mcp_tools_through_the_proxy_is_recorded_twice_alike(
+    proxy_to_env, sqlite_url
+):
+    from langchain.agents import create_agent
+    from langchain_core.messages import AIMessage
+    from langchain_mcp_adapters.tools import load_mcp_tools
+
+    import trace_plugin
+    from integrations.scripted_chat_model import ScriptedChatModel
+
+    proxy, proxy_recorder = proxy_to_env
+    seed = 4
+    reference = RetailEnv().reset(seed).metadata["reference"]
+
+    def policy(messages):  # replays the reference actions, then answers
+        done = sum(1 for m in messages if m.type == "tool")
+        if done < len(reference):
+            call = reference[done]
+            return AIMessage(
+                "", tool_calls=[{"id": f"c{done}", "name": call["name"], "args": call["arguments"]}]
+            )
+        return AIMessage("Done.")
+
+    local = Recorder(sqlite_url.replace("trace.db", "agent.db"))
+    async with http_session(proxy.url + "/mcp") as session:
+        task = (await session.call_tool("env_reset", {"seed": seed})).structuredContent
+        tools = [t for t in await load_mcp_tools(session) if not t.name.startswith("env_")]
+        agent = trace_plugin.capture(agent="mcp-agent", recorder=local)(
+            create_agent(ScriptedChatModel(policy=policy), tools)
+        )
+        await agent.ainvoke({"messages": [("user", task["prompt"])]})
+        assert (await session.call_tool("env_reward", {"answer": "Done."})).structuredContent["components"][
+            "state"
+        ] == 1.0
+
+    assert local.flush(10) and proxy_recorder.flush(10)
+    [decorated] = local.store.list_episodes("mcp-agent")
+    ours = [s for s in local.store.get_episode(decorated.id).steps if s.kind == "tool"]
+    [proxied] = proxy_recorder.store.list_episodes("proxied")
+    theirs = [s for s in proxy_recorder.store.get_episode(proxied.id).steps if not s.name.startswith("env_")]
+    assert [(s.name, s.input) for s in ours] == [(s.name, s.input) for s in theirs]
+    assert [(c["name"], c["arguments"]) for c in reference] == [(s.name, s.input) for s in theirs]
+    for a, b in zip(ours, theirs, strict=True):  # the agent saw exactly what the proxy forwarded
+        seen = a.output if isinstance(a.output, str) else "".join(block["text"] for block in a.output)
+        assert seen == b.output
+    local.close()

@@ -118,3 +118,23 @@ def test_read_then_write_transactions_do_not_hit_database_is_locked(sqlite_url):
         t.join()
     assert errors == []
     assert store.count("steps") == 160
+
+
+def test_upgrades_of_two_databases_in_one_process_do_not_collide(tmp_path):
+    """Alembic's context lives in module globals; concurrent upgrades used to corrupt it."""
+    stores = [Store(f"sqlite:///{tmp_path / f'db{i}.db'}") for i in range(4)]
+    errors: list[Exception] = []
+
+    def upgrade(store: Store) -> None:
+        try:
+            store.upgrade()
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=upgrade, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert all(s.count("episodes") == 0 for s in stores)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
@@ -22,6 +23,7 @@ Record = Episode | Step | EpisodeEnd | Feedback
 _R = TypeVar("_R", Episode, Step, Feedback)
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+_UPGRADE_LOCK = threading.Lock()
 _PG_MIGRATION_LOCK = 0x7472_6163  # "trac": serializes concurrent upgrades on PostgreSQL
 
 
@@ -83,7 +85,8 @@ class Store:
 
         config = Config()
         config.set_main_option("script_location", str(MIGRATIONS_DIR))
-        with self.engine.begin() as conn:  # BEGIN IMMEDIATE on SQLite: one upgrader at a time
+        # Alembic keeps its running context in module globals: one upgrade per process at a time.
+        with _UPGRADE_LOCK, self.engine.begin() as conn:  # BEGIN IMMEDIATE on SQLite: one upgrader at a time
             if self.dialect == "postgresql":
                 conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_MIGRATION_LOCK})
             config.attributes["connection"] = conn
