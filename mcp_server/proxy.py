@@ -21,6 +21,7 @@ import mcp.types as types
 from mcp import ClientSession
 from mcp.server.lowlevel import Server
 
+from trace_plugin.gateway.server import RunningServer, free_port
 from trace_plugin.recorder import Recorder
 from trace_plugin.tracer import ActiveEpisode, Tracer
 from trace_plugin.trajectory import Step, utcnow
@@ -114,3 +115,44 @@ def build_proxy(
         return result
 
     return server
+
+
+def start_proxy_in_thread(
+    upstream: str | list[str],
+    *,
+    agent: str = "mcp-proxy",
+    recorder: Recorder | None = None,
+    timeout: float = 60,
+) -> RunningServer:
+    """The proxy over streamable HTTP on a daemon thread: the upstream session and the HTTP
+    server share that thread's event loop, as MCP sessions must."""
+    import asyncio
+    import threading
+
+    import uvicorn
+
+    from mcp_server.transport import http_app
+
+    port = free_port()
+    holder: dict[str, Any] = {}
+    ready = threading.Event()
+
+    async def main() -> None:
+        try:
+            async with connect(upstream) as session:
+                app = http_app(build_proxy(session, agent=agent, recorder=recorder))
+                server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+                holder["server"] = server
+                serving = asyncio.create_task(server.serve())
+                while not server.started and not serving.done():
+                    await asyncio.sleep(0.01)
+                ready.set()
+                await serving
+        finally:
+            ready.set()
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), name=f"mcp-proxy-{port}", daemon=True)
+    thread.start()
+    if not ready.wait(timeout) or "server" not in holder or not holder["server"].started:
+        raise RuntimeError(f"the MCP proxy did not start (upstream {upstream!r})")
+    return RunningServer(holder["server"], thread, "127.0.0.1", port)

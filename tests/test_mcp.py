@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from mcp.client.streamable_http import streamablehttp_client
 from mcp.shared.exceptions import McpError
 
 from mcp_server.environments import build_server
-from mcp_server.proxy import build_proxy, connect
+from mcp_server.proxy import start_proxy_in_thread
 from mcp_server.transport import http_app
 from trace_plugin import Recorder, Store
 from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
@@ -102,32 +101,11 @@ async def test_malformed_and_unknown_calls_are_error_results(env_server):
         assert unknown.isError and "unknown tool" in unknown.content[0].text
 
 
-def _proxy_in_thread(upstream, recorder):
-    """The proxy, connected to ``upstream``, served over HTTP on its own event loop."""
-    ready, holder = threading.Event(), {}
-
-    async def main():
-        async with connect(upstream) as session:
-            app = http_app(build_proxy(session, agent="proxied", recorder=recorder))
-            holder["server"] = start_in_thread(app)
-            ready.set()
-            while not holder.get("stop"):
-                await asyncio.sleep(0.05)
-            holder["server"].stop()
-
-    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-    thread.start()
-    assert ready.wait(60)
-    return holder, thread
-
-
 @pytest.fixture
 def proxy_to_env(env_server, sqlite_url):
     recorder = Recorder(sqlite_url)
-    holder, thread = _proxy_in_thread(env_server.url + "/mcp", recorder)
-    yield holder["server"], recorder
-    holder["stop"] = True
-    thread.join(10)
+    with start_proxy_in_thread(env_server.url + "/mcp", agent="proxied", recorder=recorder) as proxy:
+        yield proxy, recorder
     recorder.close()
 
 
@@ -165,9 +143,11 @@ async def test_proxy_groups_by_meta_trajectory_id(proxy_to_env):
 
 async def test_proxy_survives_upstream_errors_huge_results_and_death(tmp_path):
     recorder = Recorder(f"sqlite:///{tmp_path / 'proxy.db'}")
-    holder, thread = _proxy_in_thread([sys.executable, str(HERE / "mcp_upstream.py")], recorder)
+    proxy = start_proxy_in_thread(
+        [sys.executable, str(HERE / "mcp_upstream.py")], agent="proxied", recorder=recorder
+    )
     try:
-        async with http_session(holder["server"].url + "/mcp") as session:
+        async with http_session(proxy.url + "/mcp") as session:
             assert (await session.call_tool("echo", {"text": "hi"})).content[0].text == "hi"
             failed = await session.call_tool("fail", {"reason": "nope"})
             assert failed.isError and "nope" in failed.content[0].text
@@ -180,8 +160,7 @@ async def test_proxy_survives_upstream_errors_huge_results_and_death(tmp_path):
             with pytest.raises(McpError):  # listing needs the upstream: an MCP error, not a hang
                 await session.list_tools()
     finally:
-        holder["stop"] = True
-        thread.join(10)
+        proxy.stop()
     assert recorder.flush(10)
     [episode] = [recorder.store.get_episode(e.id) for e in recorder.store.list_episodes("proxied")]
     by_name = {s.name: s for s in episode.steps}
