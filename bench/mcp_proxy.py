@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import tempfile
 import time
 from contextlib import asynccontextmanager
@@ -33,6 +34,8 @@ from trace_plugin.environments.retail import RetailEnv
 from trace_plugin.gateway.server import start_in_thread
 
 SEED = 7
+# The SDK logs a traceback each time a client session closes its event stream; it is noise here.
+logging.getLogger("mcp.server.streamable_http").setLevel(logging.CRITICAL)
 
 
 @asynccontextmanager
