@@ -11,7 +11,6 @@ state, and every episode played is recorded in the store with its reward.
 from __future__ import annotations
 
 import json
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,10 +19,10 @@ from typing import Any
 import mcp.types as types
 from mcp.server.lowlevel import Server
 
-from trace_plugin.environments import Environment, ToolCall
+from trace_plugin.environments import Environment, ToolCall, observation_error
 from trace_plugin.recorder import Recorder
 from trace_plugin.tracer import ActiveEpisode, Tracer
-from trace_plugin.trajectory import Feedback, Step, utcnow
+from trace_plugin.trajectory import Feedback
 
 RESET, REWARD = "env_reset", "env_reward"
 CONTROL_TOOLS = [
@@ -101,23 +100,10 @@ def build_server(
             )
             state.episode = None
             return {"total": reward.total, "components": reward.components}
-        started, t0 = utcnow(), time.perf_counter()
-        observation = state.env.step(ToolCall(tool, arguments))
-        is_error = observation.startswith('{"error"')
-        tracer.record_step(
-            Step(
-                episode_id=state.episode.id,
-                seq=state.episode.next_seq(),
-                kind="tool",
-                name=tool,
-                input=arguments,
-                output=observation,
-                error=json.loads(observation)["error"] if is_error else None,
-                latency_ms=(time.perf_counter() - t0) * 1000,
-                started_at=started,
-                ended_at=utcnow(),
-            )
-        )
+        with tracer.step(state.episode, "tool", tool, arguments) as step:
+            step.output = observation = state.env.step(ToolCall(tool, arguments))
+            step.error = observation_error(observation)
+        is_error = step.error is not None
         return types.CallToolResult(
             content=[types.TextContent(type="text", text=observation)], isError=is_error
         )

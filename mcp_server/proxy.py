@@ -12,7 +12,6 @@ serving.
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,7 +23,6 @@ from mcp.server.lowlevel import Server
 from trace_plugin.gateway.server import RunningServer, free_port
 from trace_plugin.recorder import Recorder
 from trace_plugin.tracer import ActiveEpisode, Tracer
-from trace_plugin.trajectory import Step, utcnow
 
 EPISODE_META_KEYS = ("trace_episode_id", "trajectory_id")
 
@@ -88,30 +86,20 @@ def build_proxy(
     @server.call_tool(validate_input=False)
     async def call_tool(name: str, arguments: dict[str, Any]) -> types.CallToolResult:
         active, first = episode()
-        started, t0 = utcnow(), time.perf_counter()
-        try:
-            result = await upstream.call_tool(name, arguments)
-        except Exception as exc:  # the upstream died or refused: an error result, recorded
-            result = types.CallToolResult(
-                content=[types.TextContent(type="text", text=f"upstream error: {type(exc).__name__}: {exc}")],
-                isError=True,
-            )
-        text = "\n".join(c.text for c in result.content if isinstance(c, types.TextContent))
-        tracer.record_step(
-            Step(
-                episode_id=active.id,
-                seq=active.next_seq(),
-                kind="tool",
-                name=name,
-                input=arguments,
-                output=result.structuredContent if result.structuredContent is not None else text,
-                error=text if result.isError else None,
-                latency_ms=(time.perf_counter() - t0) * 1000,
-                started_at=started,
-                ended_at=utcnow(),
-                tools=list(schemas) if first and schemas else None,
-            )
-        )
+        tools = list(schemas) if first and schemas else None
+        with tracer.step(active, "tool", name, arguments, tools=tools) as step:
+            try:
+                result = await upstream.call_tool(name, arguments)
+            except Exception as exc:  # the upstream died or refused: an error result, recorded
+                result = types.CallToolResult(
+                    content=[
+                        types.TextContent(type="text", text=f"upstream error: {type(exc).__name__}: {exc}")
+                    ],
+                    isError=True,
+                )
+            text = "\n".join(c.text for c in result.content if isinstance(c, types.TextContent))
+            step.output = result.structuredContent if result.structuredContent is not None else text
+            step.error = text if result.isError else None
         return result
 
     return server

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from trace_plugin.recorder import PayloadPolicy, Recorder, default_recorder
-from trace_plugin.trajectory import Episode, EpisodeEnd, EpisodeStatus, Step, new_id
+from trace_plugin.trajectory import Episode, EpisodeEnd, EpisodeStatus, Step, StepKind, new_id, utcnow
 
 log = logging.getLogger("trace_plugin")
 
@@ -84,6 +86,20 @@ class Tracer:
 
     def record_step(self, step: Step) -> None:
         self.recorder.submit(step, self.policy)
+
+    @contextmanager
+    def step(
+        self, active: ActiveEpisode, kind: StepKind, name: str, input: Any = None, **fields: Any
+    ) -> Iterator[Step]:
+        """Time a step: fill in ``output``/``error`` inside the block; it is recorded on exit."""
+        step = Step(active.id, active.next_seq(), kind, name, input=input, started_at=utcnow(), **fields)
+        t0 = time.perf_counter()
+        try:
+            yield step
+        finally:
+            step.latency_ms = (time.perf_counter() - t0) * 1000
+            step.ended_at = utcnow()
+            self.record_step(step)
 
     def end_episode(
         self,

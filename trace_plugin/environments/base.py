@@ -50,6 +50,17 @@ class ToolCall:
         return cls(str(function.get("name", "")), arguments if isinstance(arguments, dict) else {})
 
 
+def observation_error(observation: str) -> str | None:
+    """The message of an error observation (``{"error": ...}``, the convention our
+    environments use), or None for a normal one."""
+    if not observation.startswith('{"error"'):
+        return None
+    try:
+        return str(json.loads(observation)["error"])
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return observation
+
+
 class Environment(Protocol):
     tools: list[dict[str, Any]]  # OpenAI function schemas
     system_prompt: str

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,10 +24,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from trace_plugin.environments.base import Environment, RewardBreakdown, Task, ToolCall
+from trace_plugin.environments.base import Environment, RewardBreakdown, Task, ToolCall, observation_error
 from trace_plugin.recorder import Recorder, default_recorder
 from trace_plugin.tracer import Tracer
-from trace_plugin.trajectory import Feedback, Step, new_id, utcnow
+from trace_plugin.trajectory import Feedback, new_id
 
 
 @dataclass(slots=True)
@@ -122,7 +121,6 @@ class ChatLoopAgent:
     async def _complete(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], active: Any
     ) -> dict:
-        started, t0 = utcnow(), time.perf_counter()
         body = {
             "model": self.model,
             "messages": messages,
@@ -130,48 +128,29 @@ class ChatLoopAgent:
             "temperature": self.temperature,
             "max_tokens": self.max_tokens,
         }
-        response = await self.client.post("/chat/completions", json=body)
-        response.raise_for_status()
-        data = response.json()
-        reply = data["choices"][0]["message"]
-        self.tracer.record_step(
-            Step(
-                episode_id=active.id,
-                seq=active.next_seq(),
-                kind="llm",
-                name=self.model,
-                input={"messages": messages, "tools": [t["function"]["name"] for t in tools]},
-                output=reply,
-                prompt_tokens=data.get("usage", {}).get("prompt_tokens"),
-                completion_tokens=data.get("usage", {}).get("completion_tokens"),
-                latency_ms=(time.perf_counter() - t0) * 1000,
-                started_at=started,
-                ended_at=utcnow(),
-                tools=tools,
+        names = [t["function"]["name"] for t in tools]
+        with self.tracer.step(
+            active, "llm", self.model, {"messages": list(messages), "tools": names}, tools=tools
+        ) as step:
+            response = await self.client.post("/chat/completions", json=body)
+            response.raise_for_status()
+            data = response.json()
+            reply = data["choices"][0]["message"]
+            usage = data.get("usage") or {}
+            step.output = reply
+            step.prompt_tokens, step.completion_tokens = (
+                usage.get("prompt_tokens"),
+                usage.get("completion_tokens"),
             )
-        )
         return {k: v for k, v in reply.items() if v is not None}
 
     def _step(self, env: Environment, call: dict[str, Any], active: Any) -> str:
-        started, t0 = utcnow(), time.perf_counter()
         tool_call = ToolCall.from_openai(call)
-        observation = env.step(tool_call)
-        error = json.loads(observation).get("error") if observation.startswith('{"error"') else None
-        self.tracer.record_step(
-            Step(
-                episode_id=active.id,
-                seq=active.next_seq(),
-                kind="tool",
-                name=tool_call.name,
-                input=tool_call.arguments,
-                output=observation,
-                error=error,
-                tool_call_id=call.get("id"),
-                latency_ms=(time.perf_counter() - t0) * 1000,
-                started_at=started,
-                ended_at=utcnow(),
-            )
-        )
+        with self.tracer.step(
+            active, "tool", tool_call.name, tool_call.arguments, tool_call_id=call.get("id")
+        ) as step:
+            step.output = observation = env.step(tool_call)
+            step.error = observation_error(observation)
         return observation
 
 
