@@ -2,9 +2,10 @@
 
 The same read-only tool call (``get_order`` of the retail environment) made:
 - in-process, straight to ``env.step``;
-- over MCP (streamable HTTP) to the environment server;
-- over MCP to the recording proxy in front of that server.
-Latency is per sequential call; throughput through the proxy uses 8 concurrent sessions.
+- over MCP (streamable HTTP) to the environment server (``trace-plugin envs serve``);
+- over MCP to the recording proxy (``trace-plugin mcp-proxy``) in front of that server.
+Server and proxy run as their own processes, as deployed. Latency is per sequential
+call; throughput through the proxy uses 8 concurrent sessions.
 
 Usage: python bench/mcp_proxy.py [--quick]   (not mcp.py: that name would shadow the mcp package)
 """
@@ -14,7 +15,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 from contextlib import asynccontextmanager
@@ -25,17 +28,11 @@ from mcp.client.streamable_http import streamablehttp_client
 from rich.console import Console
 from rich.table import Table
 
-from mcp_server.environments import build_server
-from mcp_server.proxy import start_proxy_in_thread
-from mcp_server.transport import http_app
-from trace_plugin import Recorder
 from trace_plugin.environments import ToolCall
 from trace_plugin.environments.retail import RetailEnv
-from trace_plugin.gateway.server import start_in_thread
+from trace_plugin.gateway.server import free_port
 
 SEED = 7
-# The SDK logs a traceback each time a client session closes its event stream; it is noise here.
-logging.getLogger("mcp.server.streamable_http").setLevel(logging.CRITICAL)
 
 
 @asynccontextmanager
@@ -84,6 +81,16 @@ async def calls_per_s(url: str, sessions: int, calls: int) -> float:
     return sessions * calls / (time.perf_counter() - start)
 
 
+def wait_for_port(port: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on port {port}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -93,18 +100,40 @@ def main() -> None:
     calls, per_session = (100, 25) if args.quick else (1000, 150)
 
     with tempfile.TemporaryDirectory() as tmp:
-        recorder = Recorder(f"sqlite:///{Path(tmp) / 'bench.db'}")
-        env_app = http_app(build_server("retail", RetailEnv, recorder=recorder))
-        with (
-            start_in_thread(env_app) as env_server,
-            start_proxy_in_thread(env_server.url + "/mcp", agent="bench", recorder=recorder) as proxy,
-        ):
-            proxy_url = proxy.url + "/mcp"
+        db = f"sqlite:///{Path(tmp) / 'bench.db'}"
+        env_port, proxy_port = free_port(), free_port()
+        env_url, proxy_url = f"http://127.0.0.1:{env_port}/mcp", f"http://127.0.0.1:{proxy_port}/mcp"
+        cli = [sys.executable, "-m", "trace_plugin"]
+        env_server = subprocess.Popen(
+            [*cli, "envs", "serve", "retail", "--transport", "http", "--port", str(env_port), "--db", db]
+        )
+        proxy = None
+        try:
+            wait_for_port(env_port)
+            proxy = subprocess.Popen(
+                [
+                    *cli,
+                    "mcp-proxy",
+                    "--upstream",
+                    env_url,
+                    "--transport",
+                    "http",
+                    "--port",
+                    str(proxy_port),
+                    "--db",
+                    db,
+                ]
+            )
+            wait_for_port(proxy_port)
             direct = direct_ms(calls * 10)
-            via_mcp = asyncio.run(mcp_ms(env_server.url + "/mcp", calls))
+            via_mcp = asyncio.run(mcp_ms(env_url, calls))
             via_proxy = asyncio.run(mcp_ms(proxy_url, calls))
             throughput = asyncio.run(calls_per_s(proxy_url, 8, per_session))
-        recorder.close()
+        finally:
+            for process in (proxy, env_server):
+                if process is not None:
+                    process.terminate()
+                    process.wait(30)
 
     table = Table(title="One get_order tool call, three ways")
     for col in ("path", "ms per call", "target"):

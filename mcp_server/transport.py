@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from mcp.server.lowlevel import Server
 from starlette.applications import Starlette
 from starlette.routing import Route
+
+
+class _ClientHungUp(logging.Filter):
+    """The SDK logs a traceback whenever a client closes its event stream; that is normal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        closed = record.exc_info is not None and type(record.exc_info[1]).__name__ == "ClosedResourceError"
+        return not (closed and "standalone SSE writer" in record.getMessage())
+
+
+logging.getLogger("mcp.server.streamable_http").addFilter(_ClientHungUp())
 
 
 async def serve_stdio(server: Server) -> None:
@@ -28,7 +40,7 @@ def http_app(server: Server) -> Starlette:
     """A Starlette app serving ``server`` over streamable HTTP at ``/mcp``."""
     from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
-    manager = StreamableHTTPSessionManager(app=server, stateless=False)
+    manager = StreamableHTTPSessionManager(app=server, stateless=False, json_response=True)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
