@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -78,6 +77,8 @@ class ChatLoopAgent:
         examples: Sequence[dict[str, Any]] = (),
         recorder: Recorder | None = None,
     ) -> None:
+        import httpx  # the ``serve`` extra; only this agent talks HTTP
+
         self.client = httpx.AsyncClient(
             base_url=base_url.rstrip("/"), timeout=600, headers={"Authorization": f"Bearer {api_key}"}
         )
