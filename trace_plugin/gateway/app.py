@@ -14,7 +14,7 @@ import ipaddress
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -297,37 +297,27 @@ def create_app(
         if not config.allow_remote_admin and not _is_loopback(host):
             raise GatewayError(403, "admin endpoints accept loopback clients only", "permission_error")
 
-    async def admin(request: Request, action: Any) -> PlainTextResponse:
+    async def adapter_op(request: Request, op: Callable[[], Awaitable[Any]]) -> Any:
         check_admin(request)
         try:
-            message = await action()
+            return await op()
         except AdapterError as exc:
             raise GatewayError(exc.status, str(exc)) from exc
-        return PlainTextResponse(message)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadAdapterRequest, request: Request) -> PlainTextResponse:
-        async def action() -> str:
-            full = await registry.load(body.lora_name, body.lora_path)
-            return f"Success: LoRA adapter '{full}' added successfully."
-
-        return await admin(request, action)
+        full = await adapter_op(request, lambda: registry.load(body.lora_name, body.lora_path))
+        return PlainTextResponse(f"Success: LoRA adapter '{full}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadAdapterRequest, request: Request) -> PlainTextResponse:
-        async def action() -> str:
-            removed = await registry.unload(body.lora_name)
-            return f"Success: LoRA adapter '{', '.join(removed)}' removed successfully."
-
-        return await admin(request, action)
+        removed = await adapter_op(request, lambda: registry.unload(body.lora_name))
+        return PlainTextResponse(f"Success: LoRA adapter '{', '.join(removed)}' removed successfully.")
 
     @app.post("/v1/rollback_lora_adapter")
     async def rollback_lora_adapter(body: UnloadAdapterRequest, request: Request) -> PlainTextResponse:
-        async def action() -> str:
-            live = await registry.rollback(body.lora_name)
-            return f"Success: LoRA adapter '{body.lora_name}' rolled back to '{live}'."
-
-        return await admin(request, action)
+        live = await adapter_op(request, lambda: registry.rollback(body.lora_name))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' rolled back to '{live}'.")
 
     @app.get("/v1/lora_adapters")
     async def lora_adapters(request: Request) -> dict[str, Any]:
