@@ -1,0 +1,1 @@
+"""Capability mining: which capabilities the agent lacks, from its own trajectories."""
