@@ -1,0 +1,227 @@
+"""Capability detectors on real retail-environment conversations with known behaviour."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trace_plugin.environments import ToolCall
+from trace_plugin.environments.retail import TOOLS, TRAIN_SEEDS, RetailEnv
+from trace_plugin.mining.detectors import Trajectory, guess_role, label_episode
+from trace_plugin.mining.selection import Label
+from trace_plugin.trajectory import Episode, Step
+
+L, P, NA = Label.LACKING, Label.PRESENT, Label.NA
+OFFERED = {t["function"]["name"] for t in TOOLS}
+
+
+def task_of(kind: str):
+    return next(t for t in (RetailEnv().reset(s) for s in TRAIN_SEEDS) if t.kind == kind)
+
+
+def converse(seed: int, calls: list[dict], answer: str | None, *, preface: str | None = None) -> Trajectory:
+    """Play ``calls`` in the real environment and build the OpenAI conversation they make."""
+    env = RetailEnv()
+    task = env.reset(seed)
+    messages = [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": task.prompt}]
+    if preface is not None:
+        messages.append({"role": "assistant", "content": preface})
+    for i, call in enumerate(calls):
+        messages.append(
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": f"c{i}",
+                        "type": "function",
+                        "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+                    }
+                ],
+            }
+        )
+        messages.append(
+            {
+                "role": "tool",
+                "tool_call_id": f"c{i}",
+                "content": env.step(ToolCall(call["name"], call["arguments"])),
+            }
+        )
+    if answer is not None:
+        messages.append({"role": "assistant", "content": answer})
+    return Trajectory.from_messages(messages, OFFERED)
+
+
+def test_roles_are_guessed_from_names_and_overridable():
+    assert [guess_role(n) for n in ("get_order", "find_user", "cancel_order", "exchangeItems", "ping")] == [
+        "read",
+        "read",
+        "write",
+        "write",
+        "other",
+    ]
+    assert guess_role("ping", {"ping": "read"}) == "read"
+
+
+def test_a_competent_episode_lacks_nothing():
+    task = task_of("exchange_item")
+    labels = label_episode(converse(task.seed, task.metadata["reference"], "Done: exchange requested."))
+    assert L not in labels.values()
+    assert labels["precondition_verification"] is P and labels["argument_grounding"] is P
+    assert labels["error_recovery"] is NA
+
+
+def test_writing_without_looking_first():
+    task = task_of("cancel")
+    find, _look, cancel = task.metadata["reference"]
+    labels = label_episode(converse(task.seed, [find, cancel], "Cancelled."))
+    assert labels["precondition_verification"] is L
+    assert labels["argument_grounding"] is P  # the order id came from the user's ticket
+
+
+def test_invented_ids():
+    task = task_of("return_item")
+    *reads, write = task.metadata["reference"]
+    wrong = {**write, "arguments": {**write["arguments"], "item_ids": ["123456"]}}
+    labels = label_episode(converse(task.seed, [*reads, wrong], "Return requested."))
+    assert labels["argument_grounding"] is L
+    assert labels["error_recovery"] is L or labels["policy_refusal"] is L
+
+
+def test_attempting_what_the_policy_forbids_vs_refusing():
+    task = task_of("refuse_cancel")
+    find, look = task.metadata["reference"]
+    forbidden = {
+        "name": "cancel_order",
+        "arguments": {"order_id": task.metadata["order_id"], "reason": "no longer needed"},
+    }
+    tried = label_episode(converse(task.seed, [find, look, forbidden], "Sorry, it failed."))
+    assert tried["policy_refusal"] is L
+    refused = label_episode(converse(task.seed, [find, look], "Sorry, I cannot cancel a delivered order."))
+    assert refused["policy_refusal"] is P and refused["multi_step_completion"] is P
+
+
+def test_stopping_after_the_lookups():
+    task = task_of("modify_address")
+    find, look, _modify = task.metadata["reference"]
+    labels = label_episode(converse(task.seed, [find, look], "Here is your order."))
+    assert labels["multi_step_completion"] is L
+
+
+def test_broken_tool_call_markup_and_no_final_message():
+    task = task_of("lookup")
+    labels = label_episode(converse(task.seed, [], None, preface='<tool_response>\n"w123"\n</tool_response>'))
+    assert labels["tool_call_format"] is L and labels["termination"] is L
+    assert labels["tool_selection"] is NA
+
+
+def test_unknown_tools_repeated_failures_and_loops():
+    task = task_of("lookup")
+    bogus = {"name": "lookup_everything", "arguments": {"q": "x1"}}
+    labels = label_episode(converse(task.seed, [bogus, bogus, bogus], "I could not do it."))
+    assert labels["tool_selection"] is L and labels["error_recovery"] is L and labels["termination"] is L
+
+
+def test_reporting_what_the_tools_said():
+    task = task_of("lookup")
+    calls = task.metadata["reference"]
+    status = task.metadata["facts"][0]
+    assert label_episode(converse(task.seed, calls, f"Your order is {status}."))["communicating_facts"] is P
+    assert label_episode(converse(task.seed, calls, "All good!"))["communicating_facts"] is L
+
+
+@pytest.mark.parametrize("with_llm_steps", [True, False])
+def test_trajectories_come_from_stored_episodes(with_llm_steps):
+    task = task_of("cancel")
+    conversation = converse(task.seed, task.metadata["reference"], "Cancelled.")
+    episode = Episode(
+        id="e",
+        agent="a",
+        input={"messages": [{"role": "user", "content": task.prompt}]},
+        output={"role": "assistant", "content": "Cancelled."},
+    )
+    if with_llm_steps:  # the last LLM call carries the whole conversation
+        env = RetailEnv()
+        env.reset(task.seed)
+        messages = [{"role": "user", "content": task.prompt}]
+        for i, call in enumerate(task.metadata["reference"]):
+            messages += [
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": f"c{i}",
+                            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+                        }
+                    ],
+                },
+                {
+                    "role": "tool",
+                    "tool_call_id": f"c{i}",
+                    "content": env.step(ToolCall(call["name"], call["arguments"])),
+                },
+            ]
+        episode.steps = [
+            Step(
+                "e",
+                0,
+                "llm",
+                "m",
+                input={"messages": messages, "tools": sorted(OFFERED)},
+                output={"role": "assistant", "content": "Cancelled."},
+            )
+        ]
+    else:  # only tool steps, as the MCP proxy records them
+        env = RetailEnv()
+        env.reset(task.seed)
+        episode.steps = [
+            Step(
+                "e",
+                i,
+                "tool",
+                c["name"],
+                input=c["arguments"],
+                output=env.step(ToolCall(c["name"], c["arguments"])),
+            )
+            for i, c in enumerate(task.metadata["reference"])
+        ]
+    stored = Trajectory.from_episode(episode)
+    assert [(c.name, c.arguments) for c in stored.calls] == [
+        (c.name, c.arguments) for c in conversation.calls
+    ]
+    assert stored.final_answer == "Cancelled." and stored.user == task.prompt
+    assert label_episode(stored)["precondition_verification"] is P
+
+
+def test_few_shot_examples_are_context_not_behaviour():
+    """Worked examples in the prompt carry tool calls; only what follows the request counts."""
+    example_call = {
+        "id": "ex1",
+        "type": "function",
+        "function": {"name": "find_user", "arguments": '{"email": "a@b.c"}'},
+    }
+    given = [
+        {"role": "user", "content": "Example request"},
+        {"role": "assistant", "content": "", "tool_calls": [example_call]},
+        {"role": "tool", "tool_call_id": "ex1", "content": '"ann_1"'},
+        {"role": "assistant", "content": "Example answer."},
+        {"role": "user", "content": "Cancel order #W1."},
+    ]
+    reply = {"role": "assistant", "content": '<tool_response>\n"w1"\n</tool_response>'}
+    episode = Episode(id="e", agent="a", input={"messages": given})
+    episode.steps = [
+        Step(
+            "e",
+            0,
+            "llm",
+            "m",
+            input={"messages": [{"role": "system", "content": "policy"}, *given]},
+            output=reply,
+        )
+    ]
+    trajectory = Trajectory.from_episode(episode)
+    assert trajectory.user == "Cancel order #W1." and trajectory.calls == []
+    labels = label_episode(trajectory)
+    assert labels["tool_call_format"] is L and labels["tool_selection"] is NA and labels["termination"] is L

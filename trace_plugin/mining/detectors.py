@@ -1,0 +1,320 @@
+"""Generic capability detectors: NA / PRESENT / LACKING per episode, from its trajectory alone.
+
+Detectors know nothing about a particular environment. They read an episode compacted
+into a :class:`Trajectory` (the conversation in OpenAI format, tool calls paired with
+their results) and infer each tool's role, read or write, from its name; a role map
+overrides the guess. What they look for:
+
+- tool_call_format: every attempted tool call parses (no tool-call markup left in text);
+- tool_selection: every call names a tool that exists;
+- argument_grounding: ids in arguments were given by the user or returned by a tool;
+- precondition_verification: a write to an entity follows a read of that entity;
+- multi_step_completion: after looking things up, the agent acts or explains why not;
+- error_recovery: after a tool error, the next call changes something;
+- policy_refusal: a forbidden action is not attempted; the user is told why;
+- communicating_facts: the final message reports what the tools returned;
+- termination: the episode ends with a message to the user, without looping.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from trace_plugin.chat_template import arguments_object, content_text
+from trace_plugin.mining.selection import Label
+from trace_plugin.trajectory import Episode
+
+Role = Literal["read", "write", "other"]
+
+_WRITE_VERBS = (
+    "cancel",
+    "modify",
+    "update",
+    "create",
+    "delete",
+    "remove",
+    "return",
+    "exchange",
+    "refund",
+    "book",
+    "set",
+    "add",
+    "send",
+    "submit",
+    "change",
+    "transfer",
+    "pay",
+    "apply",
+    "register",
+)
+_READ_VERBS = (
+    "get",
+    "find",
+    "list",
+    "search",
+    "lookup",
+    "look",
+    "check",
+    "read",
+    "fetch",
+    "query",
+    "calculate",
+)
+_MARKUP = re.compile(r"<tool_call>|<tool_response>|\{\s*\"name\"\s*:")
+_REFUSAL = re.compile(r"\b(cannot|can't|can not|unable|not (?:possible|allowed|eligible)|sorry|only)\b", re.I)
+_ID = re.compile(r"^(?=.*\d)[#\w.@:-]{3,}$")
+
+
+def guess_role(tool: str, overrides: Mapping[str, Role] | None = None) -> Role:
+    """``read``/``write`` from the tool's name (its first word); ``overrides`` win."""
+    if overrides and tool in overrides:
+        return overrides[tool]
+    first = re.split(r"[_\W]|(?<=[a-z])(?=[A-Z])", tool, maxsplit=1)[0].lower()
+    if first in _WRITE_VERBS:
+        return "write"
+    if first in _READ_VERBS:
+        return "read"
+    return "other"
+
+
+@dataclass(slots=True)
+class Call:
+    name: str
+    arguments: dict[str, Any]
+    result: str = ""
+    error: bool = False
+
+
+@dataclass(slots=True)
+class Trajectory:
+    """An episode compacted for analysis: what the user said, the calls, what the agent said."""
+
+    user: str
+    calls: list[Call] = field(default_factory=list)
+    assistant_texts: list[str] = field(default_factory=list)  # every assistant message's text
+    final_answer: str | None = None  # the last assistant message without tool calls
+    tools_offered: set[str] = field(default_factory=set)
+
+    @classmethod
+    def from_messages(
+        cls,
+        messages: list[dict[str, Any]],
+        tools_offered: set[str] | None = None,
+        *,
+        request: str | None = None,
+    ) -> Trajectory:
+        """From an OpenAI-format conversation ending with the agent's last message.
+
+        Everything up to the user's ``request`` (by default the first user message) was
+        given to the agent: system prompt, few-shot examples. Only what follows is the
+        agent's own behaviour.
+        """
+        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+        matching = [
+            i for i in users if request is not None and content_text(messages[i].get("content")) == request
+        ]
+        start = matching[-1] if matching else (users[0] if users else -1)
+        trajectory = cls(
+            user=content_text(messages[start].get("content")) if start >= 0 else "",
+            tools_offered=set(tools_offered or ()),
+        )
+        pending: dict[str, Call] = {}
+        for message in messages[start + 1 :]:
+            role, text = message.get("role"), content_text(message.get("content"))
+            if role == "assistant":
+                trajectory.assistant_texts.append(text)
+                calls = message.get("tool_calls") or []
+                for raw in calls:
+                    function = raw.get("function", raw)
+                    arguments = arguments_object(function.get("arguments"))
+                    call = Call(function.get("name", ""), arguments if isinstance(arguments, dict) else {})
+                    trajectory.calls.append(call)
+                    pending[raw.get("id") or str(len(trajectory.calls))] = call
+                trajectory.final_answer = None if calls else text
+            elif role == "tool":
+                call = pending.get(message.get("tool_call_id") or "")
+                if call is not None:
+                    call.result = text
+                    call.error = _is_error(text)
+        return trajectory
+
+    @classmethod
+    def from_episode(cls, episode: Episode) -> Trajectory:
+        """The richest view the episode's steps allow: the last LLM call's conversation plus
+        its reply, else (MCP proxy, runner without LLM steps) the tool steps alone."""
+        request = _last_user_text(episode.input)
+        llm = [s for s in episode.steps if s.kind == "llm" and isinstance(s.input, dict)]
+        if llm:
+            last = llm[-1]
+            reply = (
+                last.output
+                if isinstance(last.output, dict)
+                else {"role": "assistant", "content": last.output}
+            )
+            offered = set(last.input.get("tools") or ())
+            return cls.from_messages([*last.input.get("messages", []), reply], offered, request=request)
+        user = request or ""
+        calls = [
+            Call(s.name, s.input if isinstance(s.input, dict) else {}, _text(s.output), s.error is not None)
+            for s in episode.steps
+            if s.kind == "tool"
+        ]
+        output = episode.output if isinstance(episode.output, dict) else {}
+        answer = content_text(output.get("content")) if output else None
+        return cls(user=user, calls=calls, assistant_texts=[answer] if answer else [], final_answer=answer)
+
+
+def _last_user_text(value: Any) -> str | None:
+    """The last user message in an episode's input (OpenAI dicts or LangChain tuples)."""
+    messages = value.get("messages") if isinstance(value, dict) else None
+    for message in reversed(messages or []):
+        if isinstance(message, dict) and message.get("role") == "user":
+            return content_text(message.get("content"))
+        if isinstance(message, list | tuple) and len(message) == 2 and message[0] in ("user", "human"):
+            return str(message[1])
+    return None
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def _is_error(text: str) -> bool:
+    return text.startswith('{"error"') or text.lower().startswith(("error", "upstream error"))
+
+
+def _ids(value: Any) -> list[str]:
+    """Id-like strings inside an argument value: they contain a digit and no spaces."""
+    if isinstance(value, str):
+        return [value] if _ID.match(value.strip()) else []
+    if isinstance(value, list):
+        return [i for v in value for i in _ids(v)]
+    if isinstance(value, dict):
+        return [i for v in value.values() for i in _ids(v)]
+    return []
+
+
+# -- the detectors ------------------------------------------------------------------------
+
+Detector = Callable[[Trajectory, Mapping[str, Role]], Label]
+
+
+def tool_call_format(t: Trajectory, roles: Mapping[str, Role]) -> Label:
+    malformed = any(_MARKUP.search(text) for text in t.assistant_texts)
+    bad_args = any(c.error and ("argument" in c.result or "validation" in c.result) for c in t.calls)
+    if malformed or bad_args:
+        return Label.LACKING
+    return Label.PRESENT if t.calls else Label.NA
+
+
+def tool_selection(t: Trajectory, roles: Mapping[str, Role]) -> Label:
+    if not t.calls:
+        return Label.NA
+    unknown = any(
+        (t.tools_offered and c.name not in t.tools_offered) or (c.error and "unknown tool" in c.result)
+        for c in t.calls
+    )
+    return Label.LACKING if unknown else Label.PRESENT
+
+
+def argument_grounding(t: Trajectory, roles: Mapping[str, Role]) -> Label:
+    seen, checked = t.user, False
+    for call in t.calls:
+        for value in _ids(call.arguments):
+            checked = True
+            if value not in seen:
+                return Label.LACKING
+        seen += "\n" + call.result
+    return Label.PRESENT if checked else Label.NA
+
+
+def precondition_verification(t: Trajectory, roles: Mapping[str, Role]) -> Label:
+    read_ids: set[str] = set()
+    writes = False
+    for call in t.calls:
+        role = guess_role(call.name, roles)
+        if role == "write":
+            writes = True
+            if not set(_ids(call.arguments)) & read_ids:
+                return Label.LACKING
+        elif role == "read":
+            read_ids.update(_ids(call.arguments))
+    return Label.PRESENT if writes else Label.NA
+
+
+def multi_step_completion(t: Trajectory, roles: Mapping[str, Role]) -> Label:
+    reads = [c for c in t.calls if guess_role(c.name, roles) == "read" and not c.error]
+    if not reads:
+        return Label.NA
+    if any(guess_role(c.name, roles) == "write" for c in t.calls):
+        return Label.PRESENT
+    return Label.PRESENT if t.final_answer and _REFUSAL.search(t.final_answer) else Label.LACKING
+
+
+def error_recovery(t: Trajectory, roles: Mapping[str, Role]) -> Label:
+    errors = [i for i, c in enumerate(t.calls) if c.error]
+    if not errors:
+        return Label.NA
+    for i in errors:
+        following = t.calls[i + 1] if i + 1 < len(t.calls) else None
+        failed = t.calls[i]
+        if following is None:
+            if not t.final_answer:
+                return Label.LACKING
+        elif (following.name, following.arguments) == (failed.name, failed.arguments):
+            return Label.LACKING
+    return Label.PRESENT
+
+
+def policy_refusal(t: Trajectory, roles: Mapping[str, Role]) -> Label:
+    refused_by_tool = [c for c in t.calls if c.error and guess_role(c.name, roles) == "write"]
+    if refused_by_tool:  # it attempted something the system had to stop
+        return Label.LACKING
+    if (
+        t.final_answer
+        and _REFUSAL.search(t.final_answer)
+        and not any(guess_role(c.name, roles) == "write" for c in t.calls)
+    ):
+        return Label.PRESENT
+    return Label.NA
+
+
+def communicating_facts(t: Trajectory, roles: Mapping[str, Role]) -> Label:
+    results = [c.result for c in t.calls if c.result and not c.error]
+    if not results:
+        return Label.NA
+    if not t.final_answer:
+        return Label.LACKING
+    values = {v for r in results for v in re.findall(r"[\w#@.-]{3,}", r)} - {"error", "true", "false", "null"}
+    answer = t.final_answer.lower()
+    return Label.PRESENT if any(v.lower() in answer for v in values) else Label.LACKING
+
+
+def termination(t: Trajectory, roles: Mapping[str, Role]) -> Label:
+    looping = any(
+        (a.name, a.arguments) == (b.name, b.arguments) == (c.name, c.arguments)
+        for a, b, c in zip(t.calls, t.calls[1:], t.calls[2:], strict=False)
+    )
+    ended = bool(t.final_answer) and not _MARKUP.search(t.final_answer)  # markup is not a message
+    return Label.PRESENT if ended and not looping else Label.LACKING
+
+
+DETECTORS: dict[str, Detector] = {
+    "tool_call_format": tool_call_format,
+    "tool_selection": tool_selection,
+    "argument_grounding": argument_grounding,
+    "precondition_verification": precondition_verification,
+    "multi_step_completion": multi_step_completion,
+    "error_recovery": error_recovery,
+    "policy_refusal": policy_refusal,
+    "communicating_facts": communicating_facts,
+    "termination": termination,
+}
+
+
+def label_episode(t: Trajectory, roles: Mapping[str, Role] | None = None) -> dict[str, Label]:
+    return {name: detect(t, roles or {}) for name, detect in DETECTORS.items()}
