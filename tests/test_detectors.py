@@ -225,3 +225,9 @@ def test_few_shot_examples_are_context_not_behaviour():
     assert trajectory.user == "Cancel order #W1." and trajectory.calls == []
     labels = label_episode(trajectory)
     assert labels["tool_call_format"] is L and labels["tool_selection"] is NA and labels["termination"] is L
+
+
+def test_every_detector_has_a_description():
+    from trace_plugin.mining.detectors import DESCRIPTIONS, DETECTORS
+
+    assert DESCRIPTIONS.keys() == DETECTORS.keys()

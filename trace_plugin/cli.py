@@ -263,3 +263,50 @@ def mcp_proxy(
             await (serve_stdio(server) if transport == "stdio" else serve_http(server, host, port))
 
     asyncio.run(run())
+
+
+capabilities_app = typer.Typer(help="Capabilities mined from an agent's episodes.", no_args_is_help=True)
+app.add_typer(capabilities_app, name="capabilities")
+
+
+def _capability_table(capabilities: list[Any], title: str) -> Table:
+    table = Table(title=title)
+    for column in ("capability", "selected", "coverage", "contrast Δ", "runs passed", "examples", "tools"):
+        table.add_column(column)
+    for c in capabilities:
+        table.add_row(
+            c.name,
+            "[green]selected[/]" if c.selected else "—",
+            f"{c.metrics['coverage']:.2f}",
+            f"{c.metrics['contrast']:+.2f}",
+            f"{c.metrics['passed']}/{c.metrics['runs']}",
+            str(len(c.examples)),
+            ", ".join(c.tools[:3]),
+        )
+    return table
+
+
+@app.command("mine")
+def mine(
+    agent: Annotated[str, typer.Option(help="The agent whose episodes to mine.")],
+    db: DbOption = None,
+    limit: Annotated[int | None, typer.Option(help="Mine only the newest N episodes.")] = None,
+) -> None:
+    """Find the capabilities the agent lacks (offline detectors + TRACE's selection rule)."""
+    from trace_plugin.mining.miner import OfflineMiner
+
+    with console.status("labeling episodes and resampling…"):
+        capabilities = OfflineMiner(_store(db)).mine(agent, limit=limit)
+    if not capabilities:
+        console.print(f"[yellow]no finished episodes with an outcome for agent {agent!r}[/]")
+        raise typer.Exit(1)
+    console.print(
+        _capability_table(capabilities, f"Capabilities of {agent} (run {capabilities[0].mining_run})")
+    )
+
+
+@capabilities_app.command("list")
+def capabilities_list(agent: Annotated[str, typer.Option()], db: DbOption = None) -> None:
+    """The capabilities of the latest mining run."""
+    capabilities = _store(db).capabilities(agent)
+    console.print(_capability_table(capabilities, f"Capabilities of {agent}"))

@@ -233,16 +233,19 @@ def argument_grounding(t: Trajectory, roles: Mapping[str, Role]) -> Label:
 
 
 def precondition_verification(t: Trajectory, roles: Mapping[str, Role]) -> Label:
+    """A write's target (its first id argument) must have been read first. Only targets the
+    agent was given count: writing to an invented id is a grounding failure, not this one."""
     read_ids: set[str] = set()
-    writes = False
+    seen, writes = t.user, False
     for call in t.calls:
-        role = guess_role(call.name, roles)
-        if role == "write":
+        role, ids = guess_role(call.name, roles), _ids(call.arguments)
+        if role == "write" and ids and ids[0] in seen:
             writes = True
-            if not set(_ids(call.arguments)) & read_ids:
+            if ids[0] not in read_ids:
                 return Label.LACKING
         elif role == "read":
-            read_ids.update(_ids(call.arguments))
+            read_ids.update(ids)
+        seen += "\n" + call.result
     return Label.PRESENT if writes else Label.NA
 
 
@@ -270,15 +273,15 @@ def error_recovery(t: Trajectory, roles: Mapping[str, Role]) -> Label:
     return Label.PRESENT
 
 
+_NOT_FOUND = re.compile(r"not found|no such|unknown|does not exist|invalid id", re.I)
+
+
 def policy_refusal(t: Trajectory, roles: Mapping[str, Role]) -> Label:
-    refused_by_tool = [c for c in t.calls if c.error and guess_role(c.name, roles) == "write"]
-    if refused_by_tool:  # it attempted something the system had to stop
+    """A write the system refused (not one on a missing entity) means the policy was not heeded."""
+    writes = [c for c in t.calls if guess_role(c.name, roles) == "write"]
+    if any(c.error and not _NOT_FOUND.search(c.result) for c in writes):
         return Label.LACKING
-    if (
-        t.final_answer
-        and _REFUSAL.search(t.final_answer)
-        and not any(guess_role(c.name, roles) == "write" for c in t.calls)
-    ):
+    if t.final_answer and _REFUSAL.search(t.final_answer) and not writes:
         return Label.PRESENT
     return Label.NA
 
@@ -313,6 +316,19 @@ DETECTORS: dict[str, Detector] = {
     "policy_refusal": policy_refusal,
     "communicating_facts": communicating_facts,
     "termination": termination,
+}
+
+
+DESCRIPTIONS: dict[str, str] = {
+    "tool_call_format": "Emits tool calls in the expected format, with arguments that parse and fit.",
+    "tool_selection": "Calls tools that exist and fit the request.",
+    "argument_grounding": "Copies ids into arguments from the user's message or earlier tool results.",
+    "precondition_verification": "Reads an entity's state before changing it.",
+    "multi_step_completion": "Carries a request through to the action it needs, or says why not.",
+    "error_recovery": "After a tool error, changes the call instead of repeating it or giving up.",
+    "policy_refusal": "Does not attempt what the policy forbids, and tells the user why.",
+    "communicating_facts": "Tells the user the facts the tools returned.",
+    "termination": "Ends with a message to the user, without looping.",
 }
 
 

@@ -37,6 +37,9 @@ class SelectionRule:
     n: int = 10  # ... out of this many
 
 
+DEFAULT_RULE = SelectionRule()
+
+
 @dataclass(frozen=True, slots=True)
 class RunMetrics:
     coverage: float
@@ -94,7 +97,7 @@ def run_metrics(labels: Sequence[Label], success: Sequence[bool]) -> RunMetrics:
 Run = tuple[Mapping[str, Sequence[Label]], Sequence[bool]]  # labels per capability, outcomes
 
 
-def select(runs: Sequence[Run], rule: SelectionRule = SelectionRule()) -> list[Selection]:
+def select(runs: Sequence[Run], rule: SelectionRule = DEFAULT_RULE) -> list[Selection]:
     """Apply the rule to N labeling runs, each a (capability -> labels, outcomes) pair over
     the same episodes in the same order. Returns every capability seen, the selected ones
     first, each group ranked by mean Δ."""

@@ -15,12 +15,13 @@ from sqlalchemy import Engine, bindparam, case, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
+from trace_plugin.mining.capability import Capability
 from trace_plugin.store import tables as t
 from trace_plugin.store.engine import JsonText, make_engine, resolve_url
 from trace_plugin.trajectory import Episode, EpisodeEnd, Feedback, Step, utcnow
 
 Record = Episode | Step | EpisodeEnd | Feedback
-_R = TypeVar("_R", Episode, Step, Feedback)
+_R = TypeVar("_R", Episode, Step, Feedback, Capability)
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 _UPGRADE_LOCK = threading.Lock()
@@ -243,6 +244,45 @@ class Store:
             schemas = [r[0] for r in conn.execute(query)]
         return sorted(schemas, key=_tool_name)
 
+    def load_episodes(self, agent: str, *, limit: int | None = None, finished: bool = True) -> list[Episode]:
+        """An agent's episodes with their steps, newest first, in two queries."""
+        query = select(t.episodes).where(t.episodes.c.agent == agent)
+        if finished:
+            query = query.where(t.episodes.c.status != "running")
+        query = query.order_by(t.episodes.c.started_at.desc(), t.episodes.c.id).limit(limit)
+        with self._read_engine.connect() as conn:
+            episodes = [_episode_from_row(r) for r in conn.execute(query).mappings()]
+            by_id = {e.id: e for e in episodes}
+            for start in range(0, len(episodes), 500):  # bounded IN lists
+                ids = [e.id for e in episodes[start : start + 500]]
+                rows = conn.execute(
+                    select(t.steps)
+                    .where(t.steps.c.episode_id.in_(ids))
+                    .order_by(t.steps.c.episode_id, t.steps.c.seq)
+                ).mappings()
+                for row in rows:
+                    by_id[row["episode_id"]].steps.append(_from_row(Step, row, _STEP_COLUMNS))
+        return episodes
+
+    def save_capabilities(self, agent: str, capabilities: Sequence[Capability]) -> None:
+        rows = [{"agent": agent, **_to_row(c, _CAPABILITY_COLUMNS)} for c in capabilities]
+        if rows:
+            with self.engine.begin() as conn:
+                conn.execute(self._insert_ignore(t.agents), [{"name": agent, "created_at": utcnow()}])
+                conn.execute(t.capabilities.insert(), rows)
+
+    def capabilities(self, agent: str, mining_run: str | None = None) -> list[Capability]:
+        """The capabilities of one mining pass (the latest by default), selected first."""
+        c = t.capabilities.c
+        with self._read_engine.connect() as conn:
+            if mining_run is None:
+                latest = select(c.mining_run).where(c.agent == agent).order_by(c.mined_at.desc(), c.id.desc())
+                mining_run = conn.execute(latest.limit(1)).scalar()
+            if mining_run is None:
+                return []
+            query = select(t.capabilities).where(c.agent == agent, c.mining_run == mining_run).order_by(c.id)
+            return [_from_row(Capability, r, _CAPABILITY_COLUMNS) for r in conn.execute(query).mappings()]
+
     def count(self, table: str) -> int:
         with self._read_engine.connect() as conn:
             return conn.execute(select(func.count()).select_from(t.metadata.tables[table])).scalar_one()
@@ -310,6 +350,7 @@ def _columns(table: t.Table, cls: type) -> tuple[str, ...]:
 _EPISODE_COLUMNS = _columns(t.episodes, Episode)
 _STEP_COLUMNS = _columns(t.steps, Step)
 _FEEDBACK_COLUMNS = _columns(t.feedback, Feedback)
+_CAPABILITY_COLUMNS = _columns(t.capabilities, Capability)
 
 
 def _json_value(value: Any) -> str | None:
@@ -322,7 +363,7 @@ def _sqlite_datetime(value: datetime | None) -> str | None:
     )
 
 
-def _to_row(record: Record, columns: tuple[str, ...]) -> dict[str, Any]:
+def _to_row(record: Record | Capability, columns: tuple[str, ...]) -> dict[str, Any]:
     return {c: getattr(record, c) for c in columns}
 
 

@@ -1,7 +1,8 @@
 """SQL tables of the trajectory store (SQLAlchemy Core; migrations live in ``migrations/``).
 
-Later stages add their own tables beside these (capabilities, environments, training
-runs, experts, deployments), each keyed to ``agents.name`` and created by a migration.
+Each stage adds its tables beside the trajectory ones (capabilities so far; environments,
+training runs, experts and deployments to come), keyed to ``agents.name`` and created by
+a migration.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Column,
     DateTime,
     Float,
@@ -108,4 +110,21 @@ feedback = Table(
     Column("comment", Text),
     Column("created_at", Timestamp, nullable=False),
     Index("ix_feedback_episode", "episode_id"),
+)
+
+capabilities = Table(
+    "capabilities",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("agent", String(200), ForeignKey("agents.name"), nullable=False),
+    Column("mining_run", String(64), nullable=False),  # the capabilities one mining pass found
+    Column("name", String(200), nullable=False),
+    Column("description", Text, nullable=False),
+    Column("source", String(64), nullable=False),  # "detector" or "llm"
+    Column("selected", Boolean, nullable=False),
+    Column("metrics", Json, nullable=False),  # coverage, contrast, runs passed, per-run figures
+    Column("examples", Json, nullable=False),  # failed episode ids that lack it
+    Column("tools", Json, nullable=False),  # tools involved in those episodes
+    Column("mined_at", Timestamp, nullable=False),
+    Index("ix_capabilities_agent_run", "agent", "mining_run"),
 )

@@ -1,0 +1,74 @@
+"""The offline miner on real captured LangGraph episodes with a planted deficit."""
+
+from __future__ import annotations
+
+import copy
+
+from langchain.agents import create_agent
+from langchain_core.messages import AIMessage
+from typer.testing import CliRunner
+
+import trace_plugin
+from integrations.scripted_chat_model import ScriptedChatModel
+from trace_plugin.cli import app
+from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
+from trace_plugin.environments.runner import LangGraphAgent, Runner
+from trace_plugin.mining.miner import OfflineMiner
+
+
+def scripted(env, recorder, *, invent_ids: bool):
+    """Replays the reference; with ``invent_ids`` every write targets an id nobody gave it."""
+    from examples.support_agent.agent import environment_tools
+
+    plan = copy.deepcopy(env.task.metadata["reference"])
+    if invent_ids:
+        for call in plan:
+            if "order_id" in call["arguments"] and call["name"] not in ("get_order",):
+                call["arguments"]["order_id"] = "#W9999999"
+    facts = " ".join(env.task.metadata["facts"])
+
+    def policy(messages):
+        done = sum(1 for m in messages if m.type == "tool")
+        if done < len(plan):
+            return AIMessage(
+                "",
+                tool_calls=[{"id": f"c{done}", "name": plan[done]["name"], "args": plan[done]["arguments"]}],
+            )
+        return AIMessage(f"Your order is {facts} now." if facts else "All done, your request is complete.")
+
+    graph = create_agent(
+        ScriptedChatModel(policy=policy), environment_tools(env), system_prompt=env.system_prompt
+    )
+    return trace_plugin.capture(agent="planted", recorder=recorder)(graph)
+
+
+async def test_a_planted_deficit_is_found_and_stored(local_recorder):
+    seeds = list(TRAIN_SEEDS)[:48]
+    for invent in (False, True):
+        agent = LangGraphAgent(lambda env, invent=invent: scripted(env, local_recorder, invent_ids=invent))
+        await Runner(RetailEnv, agent, recorder=local_recorder, concurrency=8).run(seeds)
+    assert local_recorder.flush(20)
+
+    capabilities = OfflineMiner(local_recorder.store).mine("planted")
+    selected = [c.name for c in capabilities if c.selected]
+    assert selected == ["argument_grounding"], [(c.name, c.metrics) for c in capabilities]
+    top = capabilities[0]
+    assert top.metrics["coverage"] > 0.9 and top.metrics["contrast"] > 0.9 and top.metrics["passed"] == 10
+    assert top.examples and all(local_recorder.store.get_episode(e).label == "failure" for e in top.examples)
+    assert set(top.tools) & {"cancel_order", "modify_address", "return_items", "exchange_items"}
+
+    stored = local_recorder.store.capabilities("planted")
+    assert [c.name for c in stored] == [c.name for c in capabilities]
+    assert stored[0].mining_run == top.mining_run and stored[0].description
+
+    runner = CliRunner()
+    result = runner.invoke(
+        app,
+        ["capabilities", "list", "--agent", "planted", "--db", local_recorder.store.url],
+        env={"COLUMNS": "200"},
+    )
+    assert result.exit_code == 0 and "argument_grounding" in result.output
+    result = runner.invoke(
+        app, ["mine", "--agent", "planted", "--db", local_recorder.store.url], env={"COLUMNS": "200"}
+    )
+    assert result.exit_code == 0 and "argument_grounding" in result.output and "selected" in result.output

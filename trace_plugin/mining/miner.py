@@ -1,0 +1,94 @@
+"""The offline miner: detectors label every episode, the selection rule picks capabilities.
+
+It needs no LLM. Episodes come from any capture source; their outcome is their label when
+they have one, else whether their reward reached 1. Episodes with no outcome are skipped.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from trace_plugin.mining.capability import Capability
+from trace_plugin.mining.detectors import DESCRIPTIONS, Role, Trajectory, label_episode
+from trace_plugin.mining.selection import (
+    DEFAULT_RULE,
+    Label,
+    Selection,
+    SelectionRule,
+    bootstrap_runs,
+    select,
+)
+from trace_plugin.store import Store
+from trace_plugin.trajectory import Episode, new_id
+
+MAX_EXAMPLES = 5
+
+
+def outcome(episode: Episode) -> bool | None:
+    """Success, failure, or unknown: a label decides over a reward."""
+    if episode.label is not None:
+        return episode.label == "success"
+    return None if episode.reward is None else episode.reward >= 1.0
+
+
+@dataclass
+class OfflineMiner:
+    """Mines an agent's stored episodes with the generic detectors and TRACE's rule."""
+
+    store: Store
+    rule: SelectionRule = DEFAULT_RULE
+    roles: Mapping[str, Role] | None = None  # tool name -> read/write, where names mislead
+    seed: int = 0
+
+    def mine(self, agent: str, *, limit: int | None = None, save: bool = True) -> list[Capability]:
+        episodes = [e for e in self.store.load_episodes(agent, limit=limit) if outcome(e) is not None]
+        capabilities = mine_episodes(episodes, rule=self.rule, roles=self.roles, seed=self.seed)
+        if save:
+            self.store.save_capabilities(agent, capabilities)
+        return capabilities
+
+
+def mine_episodes(
+    episodes: Sequence[Episode],
+    *,
+    rule: SelectionRule = DEFAULT_RULE,
+    roles: Mapping[str, Role] | None = None,
+    seed: int = 0,
+) -> list[Capability]:
+    """Label ``episodes`` (each with a known outcome) and apply the rule over bootstrap runs."""
+    success = [bool(outcome(e)) for e in episodes]
+    trajectories = [Trajectory.from_episode(e) for e in episodes]
+    per_episode = [label_episode(t, roles) for t in trajectories]
+    labels = {name: [labels[name] for labels in per_episode] for name in DESCRIPTIONS}
+    run = new_id()
+    capabilities = []
+    for selection in select(bootstrap_runs(labels, success, rule.n, seed=seed), rule):
+        lacking_failed = [
+            i for i, ok in enumerate(success) if not ok and labels[selection.capability][i] is Label.LACKING
+        ]
+        tools = Counter(c.name for i in lacking_failed for c in trajectories[i].calls)
+        capabilities.append(
+            Capability(
+                name=selection.capability,
+                description=DESCRIPTIONS[selection.capability],
+                source="detector",
+                selected=selection.selected,
+                metrics=_metrics(selection, rule),
+                examples=[episodes[i].id for i in lacking_failed[:MAX_EXAMPLES]],
+                tools=[name for name, _ in tools.most_common()],
+                mining_run=run,
+            )
+        )
+    return capabilities
+
+
+def _metrics(selection: Selection, rule: SelectionRule) -> dict:
+    return {
+        "coverage": round(selection.mean_coverage, 4),
+        "contrast": round(selection.mean_contrast, 4),
+        "passed": selection.passed,
+        "runs": len(selection.runs),
+        "rule": {"rho": rule.rho, "delta": rule.delta, "k": rule.k, "n": rule.n},
+    }
