@@ -72,3 +72,34 @@ async def test_a_planted_deficit_is_found_and_stored(local_recorder):
         app, ["mine", "--agent", "planted", "--db", local_recorder.store.url], env={"COLUMNS": "200"}
     )
     assert result.exit_code == 0 and "argument_grounding" in result.output and "selected" in result.output
+    result = runner.invoke(
+        app,
+        [
+            "capabilities",
+            "show",
+            "argument_grounding",
+            "--agent",
+            "planted",
+            "--db",
+            local_recorder.store.url,
+        ],
+        env={"COLUMNS": "200"},
+    )
+    assert result.exit_code == 0 and "example failure" in result.output and "Copies ids" in result.output
+    result = runner.invoke(
+        app, ["capabilities", "show", "nope", "--agent", "planted", "--db", local_recorder.store.url]
+    )
+    assert result.exit_code == 1
+
+
+def test_envs_list_and_show():
+    runner = CliRunner()
+    listed = runner.invoke(app, ["envs", "list"], env={"COLUMNS": "200"})
+    assert listed.exit_code == 0 and "retail" in listed.output and "200" in listed.output
+    shown = runner.invoke(app, ["envs", "show", "retail", "--seed", "10001"], env={"COLUMNS": "200"})
+    assert (
+        shown.exit_code == 0
+        and "find_user" in shown.output
+        and RetailEnv().reset(10001).prompt[:30] in shown.output
+    )
+    assert runner.invoke(app, ["envs", "show", "nope"]).exit_code != 0

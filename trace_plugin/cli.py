@@ -310,3 +310,45 @@ def capabilities_list(agent: Annotated[str, typer.Option()], db: DbOption = None
     """The capabilities of the latest mining run."""
     capabilities = _store(db).capabilities(agent)
     console.print(_capability_table(capabilities, f"Capabilities of {agent}"))
+
+
+@capabilities_app.command("show")
+def capabilities_show(name: str, agent: Annotated[str, typer.Option()], db: DbOption = None) -> None:
+    """One capability of the latest mining run, with its evidence."""
+    found = [c for c in _store(db).capabilities(agent) if c.name == name]
+    if not found:
+        console.print(f"[red]no capability {name!r} in the latest mining run of {agent!r}[/]")
+        raise typer.Exit(1)
+    c = found[0]
+    console.print(
+        f"[bold]{c.name}[/] ({'selected' if c.selected else 'not selected'}, {c.source}): {c.description}"
+    )
+    console.print(
+        f"coverage {c.metrics['coverage']:.2f}, contrast Δ {c.metrics['contrast']:+.2f}, "
+        f"passed {c.metrics['passed']}/{c.metrics['runs']} runs; rule {c.metrics['rule']}"
+    )
+    console.print(f"tools involved: {', '.join(c.tools) or '—'}")
+    for episode_id in c.examples:
+        console.print(f"  example failure: {episode_id}  (trace-plugin episodes show {episode_id})")
+
+
+@envs_app.command("list")
+def envs_list() -> None:
+    """The environments this installation can serve."""
+    table = Table(title="Environments")
+    for column in ("name", "tools", "train seeds", "test seeds"):
+        table.add_column(column)
+    from trace_plugin.environments import retail
+
+    table.add_row("retail", str(len(retail.TOOLS)), str(len(retail.TRAIN_SEEDS)), str(len(retail.TEST_SEEDS)))
+    console.print(table)
+
+
+@envs_app.command("show")
+def envs_show(name: str, seed: Annotated[int, typer.Option(help="Show this seed's task.")] = 0) -> None:
+    """An environment's policy, tools and one task."""
+    env = _environment(name)()
+    task = env.reset(seed)
+    console.print(f"[bold]{name}[/]\n{env.system_prompt}\n")
+    console.print("tools: " + ", ".join(t["function"]["name"] for t in env.tools))
+    console.print(f"task {seed} ({task.kind}): {task.prompt}")
