@@ -103,3 +103,16 @@ def test_envs_list_and_show():
         and RetailEnv().reset(10001).prompt[:30] in shown.output
     )
     assert runner.invoke(app, ["envs", "show", "nope"]).exit_code != 0
+
+
+def test_the_planted_deficit_corpus_is_recovered_exactly():
+    from trace_plugin.mining.miner import mine_episodes
+    from trace_plugin.mining.planted import PLANTED, POLICIES, corpus
+
+    episodes = corpus(list(TRAIN_SEEDS)[:40])
+    # every deficient policy fails somewhere and succeeds somewhere; the others never fail
+    for policy in POLICIES:
+        labels = {e.label for e in episodes if e.metadata["policy"] == policy}
+        assert labels == ({"success", "failure"} if policy in PLANTED else {"success"}), policy
+    selected = {c.name for c in mine_episodes(episodes) if c.selected}
+    assert selected == set(PLANTED.values())
