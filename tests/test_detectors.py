@@ -231,3 +231,30 @@ def test_every_detector_has_a_description():
     from trace_plugin.mining.detectors import DESCRIPTIONS, DETECTORS
 
     assert DESCRIPTIONS.keys() == DETECTORS.keys()
+
+
+def test_a_model_called_inside_a_tool_is_not_the_agent():
+    agent_view = {"messages": [{"role": "user", "content": "Where is #W1?"}], "tools": ["get_order"]}
+    episode = Episode(id="e", agent="a", input={"messages": [{"role": "user", "content": "Where is #W1?"}]})
+    episode.steps = [
+        Step(
+            "e",
+            0,
+            "llm",
+            "agent-model",
+            input=agent_view,
+            output={"role": "assistant", "content": "It shipped."},
+        ),
+        Step("e", 1, "tool", "summarize", input={}, output="ok", run_id="tool-run"),
+        Step(
+            "e",
+            2,
+            "llm",
+            "inner-model",
+            input={"messages": [{"role": "user", "content": "summarize"}]},
+            output={"role": "assistant", "content": "summary"},
+            parent_run_id="tool-run",
+        ),
+    ]
+    trajectory = Trajectory.from_episode(episode)
+    assert trajectory.user == "Where is #W1?" and trajectory.final_answer == "It shipped."

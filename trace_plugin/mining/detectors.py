@@ -147,7 +147,12 @@ class Trajectory:
         """The richest view the episode's steps allow: the last LLM call's conversation plus
         its reply, else (MCP proxy, runner without LLM steps) the tool steps alone."""
         request = _last_user_text(episode.input)
-        llm = [s for s in episode.steps if s.kind == "llm" and isinstance(s.input, dict)]
+        tool_runs = {s.run_id for s in episode.steps if s.kind == "tool" and s.run_id}
+        llm = [  # the agent's own model calls, not a model a tool called internally
+            s
+            for s in episode.steps
+            if s.kind == "llm" and isinstance(s.input, dict) and s.parent_run_id not in tool_runs
+        ]
         if llm:
             last = llm[-1]
             reply = (
