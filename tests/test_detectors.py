@@ -9,6 +9,7 @@ import pytest
 from trace_plugin.environments import ToolCall
 from trace_plugin.environments.retail import TOOLS, TRAIN_SEEDS, RetailEnv
 from trace_plugin.mining.detectors import Trajectory, guess_role, label_episode
+from trace_plugin.mining.planted import play
 from trace_plugin.mining.selection import Label
 from trace_plugin.trajectory import Episode, Step
 
@@ -25,29 +26,7 @@ def converse(seed: int, calls: list[dict], answer: str | None, *, preface: str |
     env = RetailEnv()
     task = env.reset(seed)
     messages = [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": task.prompt}]
-    if preface is not None:
-        messages.append({"role": "assistant", "content": preface})
-    for i, call in enumerate(calls):
-        messages.append(
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [
-                    {
-                        "id": f"c{i}",
-                        "type": "function",
-                        "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
-                    }
-                ],
-            }
-        )
-        messages.append(
-            {
-                "role": "tool",
-                "tool_call_id": f"c{i}",
-                "content": env.step(ToolCall(call["name"], call["arguments"])),
-            }
-        )
+    messages += play(env, calls, [preface] if preface is not None else [])
     if answer is not None:
         messages.append({"role": "assistant", "content": answer})
     return Trajectory.from_messages(messages, OFFERED)

@@ -86,28 +86,17 @@ PLANTED = {
 }
 
 
-def episode(policy: str, seed: int) -> Episode:
-    """One graded episode of ``policy`` on ``seed``, recorded as the gateway would."""
-    env = RetailEnv()
-    task = env.reset(seed)
-    calls, broken, answer = POLICIES[policy](task, env)
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": env.system_prompt},
-        {"role": "user", "content": task.prompt},
-    ]
-    messages += [{"role": "assistant", "content": text} for text in broken]
+def play(env: RetailEnv, calls: Sequence[dict[str, Any]], broken: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The conversation turns of an agent that says ``broken`` texts, then makes ``calls``
+    one at a time against ``env``: OpenAI-format assistant calls and tool results."""
+    messages: list[dict[str, Any]] = [{"role": "assistant", "content": text} for text in broken]
     for i, call in enumerate(calls):
+        function = {"name": call["name"], "arguments": json.dumps(call["arguments"])}
         messages.append(
             {
                 "role": "assistant",
                 "content": "",
-                "tool_calls": [
-                    {
-                        "id": f"c{i}",
-                        "type": "function",
-                        "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
-                    }
-                ],
+                "tool_calls": [{"id": f"c{i}", "type": "function", "function": function}],
             }
         )
         messages.append(
@@ -117,6 +106,19 @@ def episode(policy: str, seed: int) -> Episode:
                 "content": env.step(ToolCall(call["name"], call["arguments"])),
             }
         )
+    return messages
+
+
+def episode(policy: str, seed: int) -> Episode:
+    """One graded episode of ``policy`` on ``seed``, recorded as the gateway would."""
+    env = RetailEnv()
+    task = env.reset(seed)
+    calls, broken, answer = POLICIES[policy](task, env)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": env.system_prompt},
+        {"role": "user", "content": task.prompt},
+    ]
+    messages += play(env, calls, broken)
     reply = {"role": "assistant", "content": answer}
     reward = env.reward(answer).total
     record = Episode(
