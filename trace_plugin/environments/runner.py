@@ -77,11 +77,8 @@ class ChatLoopAgent:
         examples: Sequence[dict[str, Any]] = (),
         recorder: Recorder | None = None,
     ) -> None:
-        import httpx  # the ``serve`` extra; only this agent talks HTTP
-
-        self.client = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"), timeout=600, headers={"Authorization": f"Bearer {api_key}"}
-        )
+        self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"}
         self.model, self.max_turns = model, max_turns
         self.temperature, self.max_tokens = temperature, max_tokens
         self.examples = list(examples)  # few-shot messages placed after the system prompt
@@ -99,28 +96,34 @@ class ChatLoopAgent:
             model=self.model,
             metadata={"task_seed": task.seed, "task_kind": task.kind},
         )
-        answer = ""
+        import httpx  # the ``serve`` extra; only this agent talks HTTP
+
         try:
-            for _ in range(self.max_turns):
-                reply = await self._complete(messages, env.tools, active)
-                messages.append(reply)
-                calls = reply.get("tool_calls") or []
-                if not calls:
-                    answer = reply.get("content") or ""
-                    break
-                for call in calls:
-                    observation = self._step(env, call, active)
-                    messages.append({"role": "tool", "tool_call_id": call["id"], "content": observation})
-                if env.done:
-                    break
+            # A client per episode: it belongs to this event loop and is closed with the episode.
+            async with httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=600) as client:
+                answer = await self._loop(client, env, messages, active)
         except Exception as exc:
             self.tracer.end_episode(active, error=exc)
             raise
         self.tracer.end_episode(active, output={"role": "assistant", "content": answer})
         return answer
 
+    async def _loop(self, client: Any, env: Environment, messages: list[dict[str, Any]], active: Any) -> str:
+        for _ in range(self.max_turns):
+            reply = await self._complete(client, messages, env.tools, active)
+            messages.append(reply)
+            calls = reply.get("tool_calls") or []
+            if not calls:
+                return reply.get("content") or ""
+            for call in calls:
+                observation = self._step(env, call, active)
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": observation})
+            if env.done:
+                break
+        return ""
+
     async def _complete(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], active: Any
+        self, client: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]], active: Any
     ) -> dict:
         body = {
             "model": self.model,
@@ -133,7 +136,7 @@ class ChatLoopAgent:
         with self.tracer.step(
             active, "llm", self.model, {"messages": list(messages), "tools": names}, tools=tools
         ) as step:
-            response = await self.client.post("/chat/completions", json=body)
+            response = await client.post("/chat/completions", json=body)
             response.raise_for_status()
             data = response.json()
             reply = data["choices"][0]["message"]
