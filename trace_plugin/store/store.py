@@ -69,6 +69,8 @@ class Store:
         self._read_engine = self.engine.execution_options(sqlite_read=True)
         self._known_agents: set[str] = set()
         self._known_tools: set[str] = set()
+        # Agents offer the same schema objects on every call: hash each object once.
+        self._hashes: dict[int, tuple[dict[str, Any], str]] = {}
 
     @property
     def dialect(self) -> str:
@@ -137,7 +139,7 @@ class Store:
         links: set[tuple[str, str]] = set()
         for s in step_rows:
             for schema in s.tools or ():
-                h = tool_hash(schema)
+                h = self._hash_of(schema)
                 schemas[h] = schema
                 links.add((s.episode_id, h))
         if not links:
@@ -155,6 +157,16 @@ class Store:
             [{"episode_id": e, "tool_hash": h} for e, h in sorted(links)],
         )
         return new
+
+    def _hash_of(self, schema: dict[str, Any]) -> str:
+        cached = self._hashes.get(id(schema))
+        if cached is not None and cached[0] is schema:  # the entry keeps the object, so ids stay unique
+            return cached[1]
+        if len(self._hashes) > 10_000:
+            self._hashes.clear()
+        digest = tool_hash(schema)
+        self._hashes[id(schema)] = (schema, digest)
+        return digest
 
     def _bulk_insert(
         self, conn: Connection, table: t.Table, columns: tuple[str, ...], records: Sequence[Record]
