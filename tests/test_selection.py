@@ -31,12 +31,31 @@ def test_selection_needs_both_coverage_and_contrast():
     everywhere = [L] * 20  # missing always: coverage, but no contrast
     rare = [L] + [NA] * 9 + [P] * 10  # perfect contrast, but explains one failure in ten
     labels = {"planted": planted, "everywhere": everywhere, "rare": rare}
-    results = {s.capability: s for s in select([(labels, success)] * 10)}
+    paper = SelectionRule(pervasive=None)
+    results = {s.capability: s for s in select([(labels, success)] * 10, paper)}
     assert results["planted"].selected and results["planted"].passed == 10
     assert not results["everywhere"].selected and results["everywhere"].mean_contrast == 0
     assert results["rare"].selected and results["rare"].mean_coverage == pytest.approx(0.1)
-    strict = {s.capability: s for s in select([(labels, success)] * 10, SelectionRule(rho=0.11))}
+    strict = {
+        s.capability: s for s in select([(labels, success)] * 10, SelectionRule(rho=0.11, pervasive=None))
+    }
     assert not strict["rare"].selected and strict["planted"].selected
+
+
+def test_a_deficit_every_episode_shares_is_selected_as_pervasive_after_contrastive_ones():
+    success = [False] * 10 + [True] * 10
+    labels = {
+        "planted": [L] * 8 + [P] * 2 + [P] * 10,
+        "everywhere": [L] * 20,
+        "mostly": [L] * 10 + [L] * 8 + [P, NA],  # 8 of 9 labeled successes lack it: below the 0.9 bar
+    }
+    ranked = select([(labels, success)] * 10)
+    assert [(s.capability, s.selected, s.reason) for s in ranked] == [
+        ("planted", True, "contrast"),
+        ("everywhere", True, "pervasive"),
+        ("mostly", False, "contrast"),
+    ]
+    assert ranked[1].passed == 10
 
 
 def test_k_of_n_consistency_across_noisy_runs():

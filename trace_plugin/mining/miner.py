@@ -90,5 +90,6 @@ def _metrics(selection: Selection, rule: SelectionRule) -> dict:
         "contrast": round(selection.mean_contrast, 4),
         "passed": selection.passed,
         "runs": len(selection.runs),
-        "rule": {"rho": rule.rho, "delta": rule.delta, "k": rule.k, "n": rule.n},
+        "selected_by": selection.reason if selection.selected else None,
+        "rule": {"rho": rule.rho, "delta": rule.delta, "k": rule.k, "n": rule.n, "pervasive": rule.pervasive},
     }

@@ -13,6 +13,13 @@ A run passes when ``Cov ≥ ρ`` and ``Δ ≥ δ``; a capability is selected whe
 at least K of N runs (the paper's defaults: ρ = 0.10, δ = 0.20, K = 8, N = 10). For the
 offline miner, whose detectors are deterministic, the N runs are bootstrap resamples of
 the episodes. Selected capabilities are ranked by mean Δ.
+
+One extension, ours: a deficit every episode shares has Δ = 0, because successes that
+did not need the capability lack it too (a model that cannot format a tool call at all
+still "succeeds" where refusing was right). The contrast rule cannot see it, yet it is
+the first thing to train. A run also passes *pervasively* when the capability is missing
+from at least ``pervasive`` of both the failed and the successful episodes; K such runs
+select it, ranked after the contrastive selections. ``pervasive=None`` is the paper's rule.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ class SelectionRule:
     delta: float = 0.20  # minimum contrast
     k: int = 8  # runs that must pass ...
     n: int = 10  # ... out of this many
+    pervasive: float | None = 0.9  # missing from this share of failures and successes alike
 
 
 DEFAULT_RULE = SelectionRule()
@@ -57,6 +65,9 @@ class RunMetrics:
     def passes(self, rule: SelectionRule) -> bool:
         return self.coverage >= rule.rho and self.contrast >= rule.delta
 
+    def pervasive(self, rule: SelectionRule) -> bool:
+        return rule.pervasive is not None and min(self.coverage, self.er_success) >= rule.pervasive
+
 
 @dataclass(frozen=True, slots=True)
 class Selection:
@@ -64,6 +75,7 @@ class Selection:
     runs: tuple[RunMetrics, ...]
     passed: int
     selected: bool
+    reason: str = "contrast"  # or "pervasive": see the module docstring
 
     @property
     def mean_coverage(self) -> float:
@@ -106,8 +118,14 @@ def select(runs: Sequence[Run], rule: SelectionRule = DEFAULT_RULE) -> list[Sele
     for capability in capabilities:
         metrics = tuple(run_metrics(labels[capability], ok) for labels, ok in runs if capability in labels)
         passed = sum(m.passes(rule) for m in metrics)
-        results.append(Selection(capability, metrics, passed, passed >= rule.k))
-    return sorted(results, key=lambda s: (not s.selected, -s.mean_contrast, s.capability))
+        pervasive = sum(m.pervasive(rule) for m in metrics)
+        if passed < rule.k and pervasive >= rule.k:
+            results.append(Selection(capability, metrics, pervasive, True, "pervasive"))
+        else:
+            results.append(Selection(capability, metrics, passed, passed >= rule.k))
+    return sorted(
+        results, key=lambda s: (not s.selected, s.reason != "contrast", -s.mean_contrast, s.capability)
+    )
 
 
 def bootstrap_runs(
