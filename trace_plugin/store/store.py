@@ -15,13 +15,15 @@ from sqlalchemy import Engine, bindparam, case, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
+from trace_plugin.environments.spec import EnvSpec, SpecRecord
+from trace_plugin.experts import Expert
 from trace_plugin.mining.capability import Capability
 from trace_plugin.store import tables as t
 from trace_plugin.store.engine import JsonText, make_engine, resolve_url
 from trace_plugin.trajectory import Episode, EpisodeEnd, Feedback, Step, utcnow
 
 Record = Episode | Step | EpisodeEnd | Feedback
-_R = TypeVar("_R", Episode, Step, Feedback, Capability)
+_R = TypeVar("_R", Episode, Step, Feedback, Capability, Expert)
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 _UPGRADE_LOCK = threading.Lock()
@@ -295,6 +297,75 @@ class Store:
             query = select(t.capabilities).where(c.agent == agent, c.mining_run == mining_run).order_by(c.id)
             return [_from_row(Capability, r, _CAPABILITY_COLUMNS) for r in conn.execute(query).mappings()]
 
+    # -- environments and experts -----------------------------------------------------
+
+    def save_env_spec(self, agent: str, spec: EnvSpec, status: str, report: dict[str, Any]) -> SpecRecord:
+        """Store ``spec`` as the next version of its name."""
+        c = t.env_specs.c
+        with self.engine.begin() as conn:
+            conn.execute(self._insert_ignore(t.agents), [{"name": agent, "created_at": utcnow()}])
+            latest = conn.execute(select(func.max(c.version)).where(c.name == spec.name)).scalar()
+            record = SpecRecord(agent, spec, (latest or 0) + 1, status, report)
+            conn.execute(
+                t.env_specs.insert(),
+                {
+                    "agent": agent,
+                    "name": spec.name,
+                    "version": record.version,
+                    "capability": spec.capability,
+                    "spec": spec.model_dump(mode="json", by_alias=True),
+                    "status": status,
+                    "report": report,
+                    "created_at": record.created_at,
+                },
+            )
+        return record
+
+    def env_specs(self, agent: str | None = None, *, name: str | None = None) -> list[SpecRecord]:
+        """Stored specs, newest version first."""
+        c = t.env_specs.c
+        query = select(t.env_specs).order_by(c.name, c.version.desc())
+        if agent is not None:
+            query = query.where(c.agent == agent)
+        if name is not None:
+            query = query.where(c.name == name)
+        with self._read_engine.connect() as conn:
+            return [
+                SpecRecord(
+                    r["agent"],
+                    EnvSpec.model_validate(r["spec"]),
+                    r["version"],
+                    r["status"],
+                    r["report"],
+                    _aware(r["created_at"]),
+                )
+                for r in conn.execute(query).mappings()
+            ]
+
+    def env_spec(self, name: str, version: int | None = None) -> SpecRecord | None:
+        """One stored spec: the given version, else the latest."""
+        records = self.env_specs(name=name)
+        return next((r for r in records if version is None or r.version == version), None)
+
+    def save_expert(self, expert: Expert) -> None:
+        """Insert or update an expert record (status changes as training goes)."""
+        row = _to_row(expert, _EXPERT_COLUMNS)
+        with self.engine.begin() as conn:
+            conn.execute(self._insert_ignore(t.agents), [{"name": expert.agent, "created_at": utcnow()}])
+            updated = conn.execute(t.experts.update().where(t.experts.c.id == expert.id), row).rowcount
+            if not updated:
+                conn.execute(t.experts.insert(), row)
+
+    def experts(self, agent: str | None = None, *, status: str | None = None) -> list[Expert]:
+        c = t.experts.c
+        query = select(t.experts).order_by(c.created_at, c.id)
+        if agent is not None:
+            query = query.where(c.agent == agent)
+        if status is not None:
+            query = query.where(c.status == status)
+        with self._read_engine.connect() as conn:
+            return [_from_row(Expert, r, _EXPERT_COLUMNS) for r in conn.execute(query).mappings()]
+
     def count(self, table: str) -> int:
         with self._read_engine.connect() as conn:
             return conn.execute(select(func.count()).select_from(t.metadata.tables[table])).scalar_one()
@@ -363,6 +434,7 @@ _EPISODE_COLUMNS = _columns(t.episodes, Episode)
 _STEP_COLUMNS = _columns(t.steps, Step)
 _FEEDBACK_COLUMNS = _columns(t.feedback, Feedback)
 _CAPABILITY_COLUMNS = _columns(t.capabilities, Capability)
+_EXPERT_COLUMNS = _columns(t.experts, Expert)
 
 
 def _json_value(value: Any) -> str | None:
@@ -375,7 +447,7 @@ def _sqlite_datetime(value: datetime | None) -> str | None:
     )
 
 
-def _to_row(record: Record | Capability, columns: tuple[str, ...]) -> dict[str, Any]:
+def _to_row(record: Record | Capability | Expert, columns: tuple[str, ...]) -> dict[str, Any]:
     return {c: getattr(record, c) for c in columns}
 
 

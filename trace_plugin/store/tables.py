@@ -128,3 +128,38 @@ capabilities = Table(
     Column("mined_at", Timestamp, nullable=False),
     Index("ix_capabilities_agent_run", "agent", "mining_run"),
 )
+
+env_specs = Table(
+    "env_specs",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("agent", String(200), ForeignKey("agents.name"), nullable=False),
+    Column("name", String(200), nullable=False),
+    Column("version", Integer, nullable=False),  # 1, 2, ... per name
+    Column("capability", String(200), nullable=False),
+    Column("spec", Json, nullable=False),  # the EnvSpec, as data
+    Column("status", String(32), nullable=False),  # "validated" or "rejected"
+    Column("report", Json, nullable=False),  # policy checks and calibration attempts
+    Column("created_at", Timestamp, nullable=False),
+    UniqueConstraint("name", "version", name="uq_env_specs_name_version"),
+)
+
+experts = Table(
+    "experts",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("agent", String(200), ForeignKey("agents.name"), nullable=False),
+    Column("capability", String(200), nullable=False),
+    Column("env_name", String(200), nullable=False),
+    Column("env_version", Integer, nullable=False),
+    Column("base_model", String(500), nullable=False),
+    Column("base_model_hash", String(64), nullable=False),
+    Column("config", Json, nullable=False),
+    Column("reward_curve", Json, nullable=False),
+    Column("evaluation", Json, nullable=False),
+    Column("adapter_path", Text),
+    Column("adapter_sha256", String(64)),
+    Column("status", String(32), nullable=False),  # "training", "ready" or "failed"
+    Column("created_at", Timestamp, nullable=False),
+    Index("ix_experts_agent_capability", "agent", "capability"),
+)

@@ -1,0 +1,291 @@
+"""Synthesized environments: the spec language, its interpreter, the synthesizer, validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trace_plugin.environments.base import ToolCall
+from trace_plugin.environments.interpreter import SpecEnv
+from trace_plugin.environments.retail import POLICY, TOOLS
+from trace_plugin.environments.spec import EnvSpec, SpecError, parse_spec
+from trace_plugin.environments.synthesis import FAMILIES, Observations, synthesize
+from trace_plugin.environments.validation import Band, adjust, calibrate, check_policies
+from trace_plugin.experts import Expert
+from trace_plugin.store import Store
+
+
+def _play_reference(env: SpecEnv, seed: int) -> tuple[str, float]:
+    task = env.reset(seed)
+    for action in task.metadata["reference"]:
+        env.step(ToolCall(action["name"], action["arguments"]))
+    answer = " ".join(str(f) for f in task.metadata["facts"])
+    return task.prompt, env.reward(answer).total
+
+
+@pytest.mark.parametrize("capability", sorted(FAMILIES))
+def test_every_family_keeps_the_targets_schemas_and_passes_validation(capability):
+    spec = synthesize(capability, TOOLS, system_prompt=POLICY)
+    by_name = {t["function"]["name"]: t for t in TOOLS}
+    assert all(tool.schema_ == by_name[tool.name] for tool in spec.tools)  # names and schemas unchanged
+    check = check_policies(spec, range(200))
+    assert check.passed, check.problems
+    assert check.reference_success == 1.0 and check.do_nothing_mean <= 0.2 and check.random_mean <= 0.2
+
+
+def test_checks_are_aimed_at_the_capability():
+    refusal = SpecEnv(synthesize("policy_refusal", TOOLS, system_prompt=POLICY))
+    seed = next(s for s in range(100) if refusal.reset(s).metadata["forbidden"])
+    task = refusal.reset(seed)
+    read = task.metadata["reference"][0]
+    refusal.step(ToolCall(read["name"], read["arguments"]))
+    [forbidden] = task.metadata["forbidden"]
+    write = refusal.step(ToolCall(forbidden, {**read["arguments"], "reason": "x", "item_ids": ["1"]}))
+    reward = refusal.reward(str(task.metadata["facts"][0]))
+    assert reward.components["forbidden"] == 0.0 and reward.total < 1.0, write
+
+    grounding = SpecEnv(synthesize("argument_grounding", TOOLS, system_prompt=POLICY))
+    task = grounding.reset(5)
+    finder, lookup = task.metadata["reference"]
+    found = json.loads(grounding.step(ToolCall(finder["name"], finder["arguments"])))
+    assert found == [lookup["arguments"]["user_id"]]  # the id to ground comes from the search
+    grounding.step(ToolCall(lookup["name"], {"user_id": "U000000"}))  # an invented id
+    assert grounding.reward(str(task.metadata["facts"][0])).components["required_calls"] == 0.5
+
+
+def test_errors_are_observations_and_bad_calls_do_not_count_as_valid():
+    env = SpecEnv(synthesize("tool_call_format", TOOLS, system_prompt=POLICY))
+    env.reset(0)
+    assert "unknown tool" in env.step(ToolCall("drop_tables", {}))
+    assert "missing" in env.step(ToolCall("get_order", {}))
+    assert "not a JSON object" in env.step(ToolCall("get_order", {"__unparsed__": "{order"}))
+    assert "must be string" in env.step(ToolCall("get_order", {"order_id": 7}))
+    assert env.reward("").components["valid_calls"] == 0.0
+
+
+def test_seeds_are_deterministic_and_instances_isolated():
+    spec = synthesize("precondition_verification", TOOLS, system_prompt=POLICY)
+    a, b = SpecEnv(spec), SpecEnv(spec)
+    seed = next(s for s in range(100) if len(a.reset(s).metadata["reference"]) == 2)  # one with a write
+    assert a.reset(seed) == b.reset(seed) and a.digest() == b.digest()
+    prompt, reward = _play_reference(a, seed)
+    assert reward == 1.0 and a.digest() != b.digest()  # a's write did not touch b
+    assert b.reset(seed + 1).prompt != prompt
+
+
+def test_observed_values_replace_the_defaults():
+    observed = Observations.from_calls(
+        [
+            ({"order_id": "#W1234567"}, {"order_id": "#W1234567", "status": "pending"}),
+            ({}, {"status": "delivered"}),
+        ]
+    )
+    spec = synthesize("tool_call_format", TOOLS, system_prompt=POLICY, observations=observed)
+    assert spec.tables["order"].columns["order_id"].pattern == "#W{d7}"
+    assert spec.tables["order"].columns["status"].values == ["delivered", "pending"]
+    assert SpecEnv(spec).reset(1).prompt.count("#W") in (0, 1)
+
+
+def test_synthesis_is_generic_over_tool_schemas():
+    def tool(name, *params):
+        properties = {p: {"type": "string"} for p in params}
+        return {"type": "function", "function": {"name": name, "parameters": {"type": "object",
+                "properties": properties, "required": list(params)}}}  # fmt: skip
+
+    airline = [
+        tool("get_reservation", "reservation_id"),
+        tool("cancel_reservation", "reservation_id", "reason"),
+        tool("search_flight", "origin", "destination"),
+        tool("transfer_to_agent", "summary"),
+    ]
+    for capability in ("tool_call_format", "precondition_verification", "policy_refusal"):
+        spec = synthesize(capability, airline, system_prompt="You are an airline agent.")
+        assert {t.name for t in spec.tools} <= {"get_reservation", "cancel_reservation"}
+        assert check_policies(spec, range(50)).passed
+
+
+HOSTILE = {
+    "unknown behaviour": lambda s: s["tools"][0].update(behaviour="exec"),
+    "check on a missing tool": lambda s: s["checks"].append(
+        {"kind": "order", "before": "get_order", "after": "rm_rf"}
+    ),
+    "template calling a missing tool": lambda s: s["tasks"][0]["reference"].append({"tool": "os_system"}),
+    "unsatisfiable slot": lambda s: s["tasks"][0]["slots"]["x"].update(where={"status": ["teleported"]}),
+    "placeholder for a missing column": lambda s: s["tasks"][0].update(prompt="{x.password}"),
+    "oversized state": lambda s: s["tables"]["order"].update(rows=10_000),
+    "oversized spec": lambda s: s.update(description="x" * 70_000),
+    "unknown field": lambda s: s.update(code="import os"),
+    "bad id pattern": lambda s: s["tables"]["order"]["columns"]["order_id"].update(pattern="{__import__}"),
+}
+
+
+@pytest.mark.parametrize("problem", sorted(HOSTILE))
+def test_hostile_specs_are_rejected_with_a_reason(problem):
+    data = json.loads(synthesize("tool_call_format", TOOLS, system_prompt=POLICY).to_json())
+    HOSTILE[problem](data)
+    with pytest.raises(SpecError) as error:
+        parse_spec(data)
+    assert str(error.value)
+
+
+@pytest.mark.parametrize("garbage", ["", "not json", "[1, 2]", '{"name": 1}', "\x00" * 10])
+def test_garbage_is_rejected(garbage):
+    with pytest.raises(SpecError):
+        parse_spec(garbage)
+
+
+def test_a_spec_round_trips_through_json():
+    spec = synthesize("policy_refusal", TOOLS, system_prompt=POLICY)
+    assert parse_spec(spec.to_json()) == spec
+
+
+# -- property tests over random valid specs -------------------------------------------------
+
+_names = st.from_regex(r"[a-z]{3,8}", fullmatch=True)
+
+
+@st.composite
+def random_specs(draw) -> EnvSpec:
+    entity = draw(_names)
+    statuses = draw(st.lists(_names, min_size=2, max_size=4, unique=True))
+    guard = draw(st.lists(st.sampled_from(statuses), min_size=1, max_size=len(statuses) - 1, unique=True))
+    fields = draw(st.lists(_names.filter(lambda n: n not in ("status", "id")), max_size=3, unique=True))
+    rows = draw(st.integers(1, 6))
+    key = f"{entity}_id"
+    schema = lambda name, *params: {  # noqa: E731
+        "type": "function",
+        "function": {
+            "name": name,
+            "parameters": {
+                "type": "object",
+                "properties": {p: {"type": "string"} for p in params},
+                "required": list(params),
+            },
+        },  # fmt: skip
+    }
+    data = {
+        "name": f"{entity}-env",
+        "capability": "property",
+        "system_prompt": "Be helpful.",
+        "tables": {
+            entity: {
+                "key": key,
+                "rows": rows,
+                "columns": {
+                    key: {"kind": "id", "pattern": draw(st.sampled_from(["X{d6}", "#{d4}-{d3}", "id_{d8}"]))},
+                    "status": {"kind": "choice", "values": statuses},
+                    **{
+                        f: {"kind": "text", "values": draw(st.lists(_names, min_size=1, max_size=5))}
+                        for f in fields
+                    },
+                },
+            }
+        },
+        "tools": [
+            {"schema": schema(f"get_{entity}", key), "behaviour": "lookup", "table": entity, "key": key},
+            {
+                "schema": schema(f"close_{entity}", key, *fields),
+                "behaviour": "update",
+                "table": entity,
+                "key": key,
+                "guard": {"status": guard},
+                "sets": {"status": "closed", **{f: f"${f}" for f in fields}},
+            },
+        ],
+        "tasks": [
+            {
+                "kind": "close",
+                "slots": {"x": {"table": entity, "where": {"status": guard}}},
+                "params": {f: {"kind": "text", "values": ["new value"]} for f in fields},
+                "prompt": f"Close {entity} {{x.{key}}}.",
+                "reference": [
+                    {"tool": f"get_{entity}", "arguments": {key: f"{{x.{key}}}"}},
+                    {
+                        "tool": f"close_{entity}",
+                        "arguments": {key: f"{{x.{key}}}", **{f: f"{{{f}}}" for f in fields}},
+                    },
+                ],
+            }
+        ],
+        "checks": [
+            {"kind": "final_state", "weight": 2},
+            {"kind": "order", "before": f"get_{entity}", "after": f"close_{entity}"},
+            {"kind": "required_calls"},
+        ],  # fmt: skip
+        "difficulty": {"distractor_rows": draw(st.integers(0, 5))},
+    }
+    return parse_spec(data)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=random_specs(), seed=st.integers(-(10**9), 10**9))
+def test_the_reference_always_succeeds_and_seeds_are_deterministic(spec, seed):
+    first, second = SpecEnv(spec), SpecEnv(spec)
+    prompt, reward = _play_reference(first, seed)
+    assert reward == 1.0
+    assert second.reset(seed).prompt == prompt
+    assert SpecEnv(spec).reset(seed) == second.reset(seed)
+
+
+# -- calibration ---------------------------------------------------------------------------
+
+
+async def test_calibration_adjusts_difficulty_until_in_band():
+    spec = synthesize("precondition_verification", TOOLS, system_prompt=POLICY)
+    spec = spec.model_copy(update={"difficulty": spec.difficulty.model_copy(update={"distractor_rows": 4})})
+
+    async def play(env: SpecEnv, seed: int) -> float:
+        """A stand-in model: without distractors it solves the even seeds; with them, nothing."""
+        task = env.task
+        if env.spec.difficulty.distractor_rows == 0 and seed % 2 == 0:
+            for action in task.metadata["reference"]:
+                env.step(ToolCall(action["name"], action["arguments"]))
+        return env.reward(" ".join(map(str, task.metadata["facts"]))).total
+
+    calibrated, report = await calibrate(spec, play, seeds=range(8), samples=2, band=Band(informative=0.0))
+    assert [(a["in_band"], a["mean_reward"]) for a in report.attempts] == [(False, 0.0), (True, 0.5)]
+    assert report.attempts[0]["difficulty"]["distractor_rows"] == 4
+    assert calibrated.difficulty.distractor_rows == 0 and report.in_band
+
+
+def test_adjust_has_a_last_step():
+    spec = synthesize("tool_call_format", TOOLS, system_prompt=POLICY)
+    steps = 0
+    while (spec := adjust(spec, 0.0)) is not None:
+        steps += 1
+    assert 0 < steps < 5
+    assert (
+        adjust(synthesize("tool_call_format", TOOLS, system_prompt=POLICY), 0.95).difficulty.distractor_rows
+        == 4
+    )
+
+
+# -- storage -------------------------------------------------------------------------------
+
+
+def test_specs_and_experts_are_stored_and_versioned(db_url):
+    store = Store(db_url)
+    store.upgrade()
+    spec = synthesize("tool_call_format", TOOLS, system_prompt=POLICY)
+    first = store.save_env_spec("support", spec, "validated", {"reference_success": 1.0})
+    harder = spec.model_copy(update={"difficulty": spec.difficulty.model_copy(update={"distractor_rows": 4})})
+    second = store.save_env_spec("support", harder, "rejected", {"calibration": {"in_band": False}})
+    assert (first.version, second.version) == (1, 2)
+    latest = store.env_spec(spec.name)
+    assert (
+        latest is not None and latest.version == 2 and latest.spec == harder and latest.status == "rejected"
+    )
+    assert store.env_spec(spec.name, 1).spec == spec
+    assert [r.version for r in store.env_specs("support")] == [2, 1]
+
+    expert = Expert("support", "tool_call_format", spec.name, 1, "smollm2", "ab" * 32, {"lr": 3e-4})
+    store.save_expert(expert)
+    expert.status, expert.reward_curve, expert.adapter_sha256 = "ready", [0.1, 0.4], "cd" * 32
+    store.save_expert(expert)
+    [loaded] = store.experts("support", status="ready")
+    assert loaded.id == expert.id and loaded.reward_curve == [0.1, 0.4] and loaded.config == {"lr": 3e-4}
+    assert store.experts("support", status="training") == []
+    store.close()

@@ -1,0 +1,309 @@
+"""``SpecEnv``: runs an :class:`EnvSpec` as an environment of the shared protocol.
+
+The interpreter is the only code a synthesized environment ever runs: tool behaviours,
+generators and checks come from a fixed vocabulary, so a spec (even one an LLM proposed)
+can do nothing but describe data. Each ``reset(seed)`` generates the tables, samples a
+template and its slots (forcing the slots' ``where`` columns so the ticket is
+satisfiable), and replays the reference actions on a copy of the state: that copy is what
+``final_state`` compares against, and a reference action that fails marks the task
+unsatisfiable in its metadata.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import random
+import re
+from typing import Any
+
+from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall
+from trace_plugin.environments.spec import PLACEHOLDER, Check, Column, EnvSpec, TaskTemplate, ToolSpec
+
+Rows = dict[str, dict[str, dict[str, Any]]]  # table -> key -> row
+
+_DIGITS = re.compile(r"\{d(\d{1,2})\}")
+_JSON_TYPES = {
+    "string": str,
+    "array": list,
+    "object": dict,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+}
+
+
+# Checks that doing nothing would pass (no forbidden call, state unchanged, no write out of
+# order): they earn credit only once the agent has made one of the reference calls.
+PASSIVE = frozenset({"forbidden", "final_state", "order"})
+
+
+class ToolError(Exception):
+    pass
+
+
+def generate(column: Column, rng: random.Random) -> Any:
+    if column.kind == "id":
+        return _DIGITS.sub(
+            lambda m: "".join(rng.choice("0123456789") for _ in range(int(m[1]))), column.pattern or ""
+        )
+    if column.kind == "int":
+        return rng.randint(column.low, column.high)
+    return rng.choice(column.values)
+
+
+class SpecEnv:
+    """One episode of a synthesized environment at a time; instances share nothing."""
+
+    def __init__(self, spec: EnvSpec, *, hinted: bool = False) -> None:
+        self.spec = spec
+        self.tools = [t.schema_ for t in spec.tools]
+        self.system_prompt = (
+            f"{spec.system_prompt}\n{spec.hint}" if hinted and spec.hint else spec.system_prompt
+        )
+        self.task: Task | None = None
+        self.rows: Rows = {}
+        self.calls: list[ToolCall] = []
+        self._expected: Rows = {}
+        self._done = False
+        self._creates = 0
+
+    # -- the protocol -------------------------------------------------------------------
+
+    def reset(self, seed: int) -> Task:
+        rng = random.Random(f"{self.spec.name}:{seed}")
+        self.rows = self._generate(rng)
+        template = rng.choices(self.spec.tasks, weights=[t.weight for t in self.spec.tasks])[0]
+        values = self._bind(template, rng)
+        reference = [{"name": a.tool, "arguments": _fill(a.arguments, values)} for a in template.reference]
+        facts = [_fill(f, values) for f in template.facts]
+        self.calls, self._done, self._creates = [], False, 0
+        initial = copy.deepcopy(self.rows)
+        failures = []
+        for action in reference:
+            observation = self.step(ToolCall(action["name"], action["arguments"]))
+            if observation.startswith('{"error"'):
+                failures.append(f"{action['name']}: {observation}")
+        self._expected, self.rows = self.rows, initial
+        self.calls, self._done, self._creates = [], False, 0
+        metadata = {
+            "reference": reference,
+            "facts": facts,
+            "forbidden": list(template.forbidden),
+            "hint": self.spec.hint,
+            "satisfiable": not failures,
+            "reference_errors": failures,
+        }
+        self.task = Task(seed, _fill(template.prompt, values), template.kind, metadata)
+        return self.task
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def step(self, call: ToolCall) -> str:
+        self.calls.append(call)
+        tool = self.spec.tool(call.name)
+        if tool is None:
+            return _error(f"unknown tool {call.name!r}")
+        problem = argument_problem(tool, call.arguments)
+        if problem:
+            return _error(f"bad arguments for {call.name}: {problem}")
+        try:
+            return json.dumps(self._run(tool, call.arguments))
+        except ToolError as exc:
+            return _error(str(exc))
+
+    def reward(self, answer: str = "") -> RewardBreakdown:
+        if self.task is None:
+            return RewardBreakdown(0.0)
+        engaged = self._engaged()
+        scores = [
+            (check, self._score(check, answer) if engaged or check.kind not in PASSIVE else 0.0)
+            for check in self.spec.checks
+        ]
+        total = sum(c.weight * score for c, score in scores) / sum(c.weight for c in self.spec.checks)
+        return RewardBreakdown(round(total, 6), {c.label: score for c, score in scores})
+
+    # -- state --------------------------------------------------------------------------
+
+    def _generate(self, rng: random.Random) -> Rows:
+        rows: Rows = {}
+        for name, table in self.spec.tables.items():
+            rows[name] = {}
+            count = table.rows + self.spec.difficulty.distractor_rows
+            for _ in range(count * 4):  # retries: generated keys may collide
+                if len(rows[name]) == count:
+                    break
+                row = {column: generate(spec, rng) for column, spec in table.columns.items()}
+                rows[name].setdefault(str(row[table.key]), row)
+        return rows
+
+    def _bind(self, template: TaskTemplate, rng: random.Random) -> dict[str, Any]:
+        values: dict[str, Any] = {name: generate(column, rng) for name, column in template.params.items()}
+        used: set[tuple[str, str]] = set()
+        for slot_name, slot in template.slots.items():
+            keys = [k for k in sorted(self.rows[slot.table]) if (slot.table, k) not in used]
+            key = rng.choice(keys)
+            used.add((slot.table, key))
+            row = self.rows[slot.table][key]
+            for column, allowed in slot.where.items():
+                if row[column] not in allowed:
+                    row[column] = rng.choice(allowed)
+            values[slot_name] = row
+        return values
+
+    def digest(self, rows: Rows | None = None) -> str:
+        return hashlib.sha256(json.dumps(rows or self.rows, sort_keys=True, default=str).encode()).hexdigest()
+
+    # -- behaviours ---------------------------------------------------------------------
+
+    def _run(self, tool: ToolSpec, arguments: dict[str, Any]) -> Any:
+        if tool.behaviour == "terminate":
+            self._done = True
+            return "transferred"
+        table_name = tool.table or ""
+        table, key_column = self.rows[table_name], self.spec.tables[table_name].key
+        if tool.behaviour in ("lookup", "update"):
+            key = str(arguments[tool.key or ""]).strip()
+            row = table.get(key)
+            if row is None:
+                raise ToolError(f"{table_name} {key} not found")
+            if tool.behaviour == "lookup":
+                return row
+            for column, allowed in tool.guard.items():
+                if row[column] not in allowed:
+                    raise ToolError(f"{table_name} {key} is {row[column]}; this needs {' or '.join(allowed)}")
+            changed = {column: _value(value, arguments) for column, value in tool.sets.items()}
+            row.update(changed)
+            return {key_column: key, **changed}
+        if tool.behaviour == "create":
+            self._creates += 1
+            rng = random.Random(f"{self.digest()}:{self._creates}")
+            new_key = str(generate(self.spec.tables[table_name].columns[key_column], rng))
+            table[new_key] = {
+                key_column: new_key,
+                **{c: _value(v, arguments) for c, v in tool.sets.items()},
+            }
+            return {key_column: new_key}
+        matches = [row for row in table.values() if _matches(row, tool.filters, arguments)]
+        if tool.behaviour == "list":
+            if not any(arguments.get(a) for a in tool.filters):
+                raise ToolError(f"give one of {sorted(tool.filters)}")
+            if not matches:
+                raise ToolError(f"no {table_name} matches")
+            return [row[key_column] for row in matches]
+        if tool.op == "count":  # compute
+            return len(matches)
+        numbers = [row[tool.column or ""] for row in matches]
+        if not numbers:
+            raise ToolError(f"no {table_name} matches")
+        return {"sum": sum, "min": min, "max": max}[tool.op or "sum"](numbers)
+
+    # -- checks -------------------------------------------------------------------------
+
+    def _engaged(self) -> bool:
+        """Whether the agent made at least one of the reference calls (or none were needed)."""
+        assert self.task is not None
+        reference = self.task.metadata["reference"]
+        made = {(c.name, _normal(c.arguments)) for c in self.calls}
+        return not reference or any((r["name"], _normal(r["arguments"])) in made for r in reference)
+
+    def _score(self, check: Check, answer: str) -> float:
+        assert self.task is not None
+        reference = self.task.metadata["reference"]
+        if check.kind == "valid_calls":
+            if not self.calls:
+                return 0.0 if reference else 1.0
+            valid = [
+                c
+                for c in self.calls
+                if (t := self.spec.tool(c.name)) and not argument_problem(t, c.arguments)
+            ]
+            return len(valid) / len(self.calls)
+        if check.kind == "required_calls":
+            if not reference:
+                return 1.0
+            made = [(c.name, _normal(c.arguments)) for c in self.calls]
+            return sum((r["name"], _normal(r["arguments"])) in made for r in reference) / len(reference)
+        if check.kind == "order":
+            names = [c.name for c in self.calls]
+            if check.after in names:
+                first_after = names.index(check.after)
+                return float(check.before in names[:first_after])
+            return 0.0 if any(r["name"] == check.after for r in reference) else 1.0
+        if check.kind == "forbidden":
+            return float(not any(c.name in self.task.metadata["forbidden"] for c in self.calls))
+        if check.kind == "final_state":
+            return float(self.digest() == self.digest(self._expected))
+        facts = self.task.metadata["facts"]  # facts
+        return sum(str(f).lower() in answer.lower() for f in facts) / len(facts) if facts else 1.0
+
+
+def argument_problem(tool: ToolSpec, arguments: dict[str, Any]) -> str | None:
+    """Why ``arguments`` do not fit the tool's JSON schema (required, known, typed), or None."""
+    if "__unparsed__" in arguments:
+        return "arguments are not a JSON object"
+    properties = tool.parameters.get("properties", {})
+    missing = [p for p in tool.parameters.get("required", []) if p not in arguments]
+    if missing:
+        return f"missing {missing}"
+    unknown = [a for a in arguments if a not in properties]
+    if unknown:
+        return f"unexpected {unknown}"
+    for name, value in arguments.items():
+        expected = _JSON_TYPES.get(properties[name].get("type", ""))
+        if expected and not isinstance(value, expected):
+            return f"{name} must be {properties[name]['type']}"
+    return None
+
+
+def _fill(value: Any, values: dict[str, Any]) -> Any:
+    """Placeholders replaced by sampled values; a string that is one placeholder keeps its type."""
+    if isinstance(value, list):
+        return [_fill(v, values) for v in value]
+    if isinstance(value, dict):
+        return {k: _fill(v, values) for k, v in value.items()}
+    if not isinstance(value, str):
+        return value
+
+    def lookup(match: re.Match[str]) -> Any:
+        slot, column = match[1], match[2]
+        return values[slot][column] if column else values[slot]
+
+    whole = PLACEHOLDER.fullmatch(value)
+    if whole:
+        return lookup(whole)
+    return PLACEHOLDER.sub(lambda m: str(lookup(m)), value)
+
+
+def _value(value: str, arguments: dict[str, Any]) -> Any:
+    return arguments.get(value[1:]) if value.startswith("$") else value
+
+
+def _matches(row: dict[str, Any], filters: dict[str, str], arguments: dict[str, Any]) -> bool:
+    return all(
+        str(row[column]).strip().lower() == str(arguments[argument]).strip().lower()
+        for argument, column in filters.items()
+        if arguments.get(argument) not in (None, "")
+    )
+
+
+def _normal(arguments: dict[str, Any]) -> str:
+    """Arguments compared loosely: case and surrounding spaces of strings, order of lists."""
+
+    def norm(value: Any) -> Any:
+        if isinstance(value, str):
+            return value.strip().lower()
+        if isinstance(value, list):
+            return sorted((norm(v) for v in value), key=str)
+        if isinstance(value, dict):
+            return {k: norm(v) for k, v in value.items()}
+        return value
+
+    return json.dumps(norm(arguments), sort_keys=True, default=str)
+
+
+def _error(message: str) -> str:
+    return json.dumps({"error": message})

@@ -1,0 +1,473 @@
+"""The synthesizer: a mined capability plus the target's captured interface -> an ``EnvSpec``.
+
+Offline and deterministic. From the target's tool schemas alone it infers entities (every
+``<noun>_id`` parameter names a table keyed by it), binds each tool to a behaviour by its
+name's verb (``get_order(order_id)`` looks up, ``find_user(email, ...)`` lists,
+``cancel_order(order_id, reason)`` is a guarded update, ``transfer_*`` terminates) and
+fills columns from the parameters that act on them. Values captured in production (id
+formats, enums) replace the typed defaults where they were observed.
+
+A template family per capability kind then writes tickets whose reference actions
+exercise that capability, and a reward program aimed at it: valid calls for
+``tool_call_format``, grounded follow-up lookups for ``argument_grounding``, read before
+write for ``precondition_verification``, forbidden writes for ``policy_refusal``, and so on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trace_plugin.chat_template import content_text
+from trace_plugin.environments.spec import (
+    Action,
+    Check,
+    Column,
+    EnvSpec,
+    SpecError,
+    Table,
+    TaskTemplate,
+    ToolSpec,
+    check_spec,
+)
+from trace_plugin.mining.detectors import guess_role
+from trace_plugin.store import Store
+
+STATUSES = ["pending", "active", "closed"]  # used when no status values were observed
+_ID_PARAM = re.compile(r"^(?P<noun>[a-z][a-z0-9]*?)_ids?$")
+_POOLS: dict[str, list[str]] = {
+    "first_name": ["Ava", "Liam", "Mia", "Noah", "Zoe", "Omar", "Ines", "Kenji"],
+    "last_name": ["Lopez", "Kim", "Novak", "Okafor", "Silva", "Chen", "Weber", "Rossi"],
+    "city": ["Austin", "Denver", "Boston", "Seattle", "Miami"],
+    "address1": ["12 Oak St", "48 Pine Ave", "7 Maple Rd", "301 Cedar Ln", "95 Elm Dr"],
+    "reason": ["no longer needed", "ordered by mistake"],
+    "summary": ["customer needs help"],
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Observations:
+    """What production traffic showed about argument and result values, by name."""
+
+    values: Mapping[str, Sequence[str]] = field(default_factory=dict)
+
+    @classmethod
+    def from_calls(cls, calls: Iterable[tuple[dict[str, Any], Any]]) -> Observations:
+        """From (arguments, parsed result) pairs of captured tool steps."""
+        seen: dict[str, set[str]] = {}
+
+        def visit(value: Any, name: str) -> None:
+            if isinstance(value, dict):
+                for key, inner in value.items():
+                    visit(inner, key)
+            elif isinstance(value, list):
+                for inner in value:
+                    visit(inner, name.removesuffix("s") if name.endswith("_ids") else name)
+            elif isinstance(value, str) and name and len(value) <= 80:
+                seen.setdefault(name, set()).add(value)
+
+        for arguments, result in calls:
+            visit(arguments, "")
+            visit(result, "")
+        return cls({k: sorted(v)[:32] for k, v in seen.items()})
+
+
+def id_pattern(examples: Sequence[str], noun: str) -> str:
+    """A generator pattern for ids like the observed ones: digit runs become ``{dN}``."""
+    if examples:
+        return re.sub(r"\d+", lambda m: f"{{d{min(len(m[0]), 12)}}}", examples[0])
+    return f"{noun[:1].upper()}{{d6}}"
+
+
+@dataclass
+class Interface:
+    """The target's tools, analysed once: entities, and each tool's table and behaviour."""
+
+    tools: list[dict[str, Any]]
+    observations: Observations = field(default_factory=Observations)
+    tables: dict[str, Table] = field(default_factory=dict)
+    bindings: dict[str, ToolSpec] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        columns: dict[str, dict[str, Column]] = {}
+        for schema in self.tools:
+            function = schema.get("function", schema)
+            for noun in _nouns(function):
+                columns.setdefault(noun, {f"{noun}_id": self._id_column(noun)})
+        for schema in self.tools:
+            function = schema.get("function", schema)
+            name = function.get("name", "")
+            noun = _target(function, columns)
+            if noun is not None:
+                for param in _params(function):
+                    if not _ID_PARAM.match(param):
+                        columns[noun].setdefault(param, self._column(param))
+                if guess_role(name) == "write":
+                    columns[noun].setdefault("status", self._status())
+        self.tables = {noun: Table(key=f"{noun}_id", columns=cols, rows=4) for noun, cols in columns.items()}
+        for schema in self.tools:
+            binding = self._bind(schema)
+            if binding is not None:
+                self.bindings[binding.name] = binding
+
+    def _id_column(self, noun: str) -> Column:
+        examples = self.observations.values.get(f"{noun}_id", ())
+        return Column(kind="id", pattern=id_pattern(examples, noun))
+
+    def param_column(self, param: str) -> Column:
+        """How to generate a value the user gives for ``param`` in a ticket."""
+        match = _ID_PARAM.match(param)
+        return self._id_column(match["noun"]) if match else self._column(param)
+
+    def _status(self) -> Column:
+        observed = list(self.observations.values.get("status", ()))
+        return Column(kind="choice", values=observed if len(observed) >= 2 else STATUSES)
+
+    def _column(self, param: str) -> Column:
+        observed = list(self.observations.values.get(param, ()))
+        if observed:
+            return Column(kind="choice" if len(observed) <= 8 else "text", values=observed)
+        if param in _POOLS:
+            return Column(kind="text", values=_POOLS[param])
+        if param == "email":
+            return Column(kind="text", values=[f"{f.lower()}.{ln.lower()}@example.com" for f, ln in _pairs()])
+        if "zip" in param or "code" in param:
+            return Column(kind="id", pattern="{d5}")
+        return Column(kind="text", values=[f"{param.replace('_', ' ')} {i}" for i in range(1, 6)])
+
+    def _bind(self, schema: dict[str, Any]) -> ToolSpec | None:
+        function = schema.get("function", schema)
+        name, params = function.get("name", ""), _params(function)
+        required = set((function.get("parameters") or {}).get("required", []))
+        if name.startswith("transfer"):
+            return ToolSpec(schema=schema, behaviour="terminate")
+        noun = _target(function, {n: {} for n in self.tables})
+        if noun is None:
+            return None
+        key = f"{noun}_id"
+        role = guess_role(name)
+        if role == "read" and key in required:
+            return ToolSpec(schema=schema, behaviour="lookup", table=noun, key=key)
+        if role == "read":
+            filters = {p: p for p in params if p in self.tables[noun].columns}
+            return ToolSpec(schema=schema, behaviour="list", table=noun, filters=filters) if filters else None
+        if role == "write" and key in required:
+            status = self.tables[noun].columns["status"].values
+            sets = {p: f"${p}" for p in params if p != key and p in self.tables[noun].columns}
+            return ToolSpec(
+                schema=schema,
+                behaviour="update",
+                table=noun,
+                key=key,
+                guard={"status": status[:1]},
+                sets={**sets, "status": past_tense(name.split("_")[0])},
+            )
+        return None
+
+
+def synthesize(
+    capability: str,
+    tools: list[dict[str, Any]],
+    *,
+    system_prompt: str,
+    observations: Observations | None = None,
+    description: str = "",
+    hint: str | None = None,
+) -> EnvSpec:
+    """An environment aimed at ``capability`` that keeps the target's tool schemas."""
+    interface = Interface(tools, observations or Observations())
+    family = FAMILIES.get(capability, _lookups)
+    tasks, checks, needed = family(interface)
+    if not tasks:
+        raise SpecError(f"the target's tools offer nothing to exercise {capability!r} with")
+    names = list(dict.fromkeys(needed))
+    tables = {t.table: interface.tables[t.table] for n in names if (t := interface.bindings[n]).table}
+    spec = EnvSpec(
+        name=f"{capability}-env",
+        capability=capability,
+        description=description,
+        system_prompt=system_prompt,
+        tables=tables,
+        tools=[interface.bindings[n] for n in names],
+        tasks=tasks,
+        checks=checks,
+    )
+    spec = spec.model_copy(update={"hint": hint or worked_hint(spec)})
+    check_spec(spec)
+    return spec
+
+
+def worked_hint(spec: EnvSpec) -> str:
+    """The capability's guidance plus one worked call, on a world no training seed uses."""
+    from trace_plugin.environments.interpreter import SpecEnv  # the interpreter imports this module's peers
+
+    task = SpecEnv(spec).reset(-1)
+    guidance = HINTS.get(spec.capability, "")
+    if not task.metadata["reference"]:
+        return guidance
+    first = task.metadata["reference"][0]
+    call = json.dumps({"name": first["name"], "arguments": first["arguments"]})
+    return f"{guidance}\nExample. User: {task.prompt}\nAssistant: <tool_call>\n{call}\n</tool_call>".strip()
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What production traffic shows of the target: its tools, system prompt and values."""
+
+    tools: list[dict[str, Any]]
+    system_prompt: str
+    observations: Observations
+
+    @classmethod
+    def from_store(cls, store: Store, agent: str, *, limit: int = 500) -> Target:
+        episodes = store.load_episodes(agent, limit=limit)
+        prompts = Counter(
+            content_text(m.get("content"))
+            for e in episodes
+            for s in e.steps
+            if s.kind == "llm" and isinstance(s.input, dict)
+            for m in s.input.get("messages", [])[:1]
+            if isinstance(m, dict) and m.get("role") == "system"
+        )
+        calls = [
+            (s.input if isinstance(s.input, dict) else {}, _parsed(s.output))
+            for e in episodes
+            for s in e.steps
+            if s.kind == "tool" and s.error is None
+        ]
+        system_prompt = prompts.most_common(1)[0][0] if prompts else "You are a helpful assistant with tools."
+        return cls(store.tool_schemas(agent), system_prompt, Observations.from_calls(calls))
+
+
+def _parsed(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+# -- template families ------------------------------------------------------------------
+
+Family = Any  # Callable[[Interface], tuple[list[TaskTemplate], list[Check], list[str]]]
+
+
+def _lookups(interface: Interface) -> tuple[list[TaskTemplate], list[Check], list[str]]:
+    """Single lookups across every entity: the right tool, a well-formed call, the facts."""
+    tasks, needed = [], []
+    for tool in interface.bindings.values():
+        if tool.behaviour != "lookup" or tool.table is None:
+            continue
+        table = interface.tables[tool.table]
+        facts = sorted(
+            (c for c in table.columns if table.columns[c].kind != "id"), key=lambda c: c != "status"
+        )
+        if not facts:
+            continue
+        fact, noun = facts[0], tool.table
+        tasks.append(
+            TaskTemplate(
+                kind=f"lookup_{noun}",
+                slots={"x": {"table": noun}},
+                prompt=f"What is the {fact.replace('_', ' ')} of {noun} {{x.{table.key}}}?",
+                reference=[Action(tool=tool.name, arguments={tool.key: f"{{x.{table.key}}}"})],
+                facts=[f"{{x.{fact}}}"],
+            )
+        )
+        needed.append(tool.name)
+    checks = [
+        Check(kind="valid_calls", weight=0.5),
+        Check(kind="required_calls", weight=2),
+        Check(kind="facts"),
+    ]
+    return tasks, checks, needed
+
+
+def _grounding(interface: Interface) -> tuple[list[TaskTemplate], list[Check], list[str]]:
+    """Find an entity by what the user knows, then use the id the search returned."""
+    tasks, needed = [], []
+    for finder in interface.bindings.values():
+        if finder.behaviour != "list" or finder.table is None:
+            continue
+        lookup = next(
+            (t for t in interface.bindings.values() if t.behaviour == "lookup" and t.table == finder.table),
+            None,
+        )
+        if lookup is None:
+            continue
+        table = interface.tables[finder.table]
+        argument, column = next(iter(finder.filters.items()))
+        fact = next((c for c in table.columns if c not in (table.key, column)), table.key)
+        noun = finder.table
+        tasks.append(
+            TaskTemplate(
+                kind=f"find_then_get_{noun}",
+                slots={"x": {"table": noun}},
+                prompt=f"My {column.replace('_', ' ')} is {{x.{column}}}. "
+                f"What {fact.replace('_', ' ')} do you have for my {noun}?",
+                reference=[
+                    Action(tool=finder.name, arguments={argument: f"{{x.{column}}}"}),
+                    Action(tool=lookup.name, arguments={lookup.key: f"{{x.{table.key}}}"}),
+                ],
+                facts=[f"{{x.{fact}}}"],
+            )
+        )
+        needed += [finder.name, lookup.name]
+    checks = [
+        Check(kind="required_calls", weight=3),
+        Check(kind="valid_calls", weight=0.5),
+        Check(kind="facts"),
+    ]
+    return tasks, checks, needed
+
+
+def _writes(interface: Interface, *, allowed: bool) -> tuple[list[TaskTemplate], list[str]]:
+    """Tickets asking for a guarded write, on a row that allows it or (refusals) one that does not."""
+    tasks, needed = [], []
+    for writer in interface.bindings.values():
+        if writer.behaviour != "update" or writer.table is None:
+            continue
+        lookup = next(
+            (t for t in interface.bindings.values() if t.behaviour == "lookup" and t.table == writer.table),
+            None,
+        )
+        if lookup is None:
+            continue
+        noun, table = writer.table, interface.tables[writer.table]
+        statuses = table.columns["status"].values
+        guard = writer.guard["status"]
+        state = guard if allowed else [s for s in statuses if s not in guard]
+        if not state:
+            continue
+        properties = writer.parameters.get("properties", {})
+        params = {
+            p: interface.param_column(p) for p in writer.parameters.get("required", []) if p != writer.key
+        }
+        arguments: dict[str, Any] = {writer.key: f"{{x.{table.key}}}"}
+        for p in params:
+            arguments[p] = [f"{{{p}}}"] if properties.get(p, {}).get("type") == "array" else f"{{{p}}}"
+        asks = ", ".join(f"{p.replace('_', ' ')} {{{p}}}" for p in params)
+        verb = writer.name.split("_")[0]
+        read = Action(tool=lookup.name, arguments={lookup.key: f"{{x.{table.key}}}"})
+        write = Action(tool=writer.name, arguments=arguments)
+        tasks.append(
+            TaskTemplate(
+                kind=f"{verb}_{noun}" if allowed else f"refuse_{verb}_{noun}",
+                slots={"x": {"table": noun, "where": {"status": state}}},
+                params=params,
+                prompt=f"Please {verb} my {noun} {{x.{table.key}}}" + (f" ({asks})." if asks else "."),
+                reference=[read, write] if allowed else [read],
+                facts=[] if allowed else ["{x.status}"],
+                forbidden=[] if allowed else [writer.name],
+            )
+        )
+        needed += [lookup.name, writer.name]
+    return tasks, needed
+
+
+def _preconditions(interface: Interface) -> tuple[list[TaskTemplate], list[Check], list[str]]:
+    tasks, needed = _writes(interface, allowed=True)
+    refusals, more = _writes(interface, allowed=False)
+    checks = [Check(kind="final_state", weight=2), Check(kind="required_calls"), Check(kind="forbidden")]
+    checks += [Check(kind="order", before=a.tool, after=b.tool) for a, b in _pairs_of(tasks)]
+    return tasks + refusals, _unique_checks(checks), needed + more
+
+
+def _refusals(interface: Interface) -> tuple[list[TaskTemplate], list[Check], list[str]]:
+    tasks, needed = _writes(interface, allowed=True)
+    refusals, more = _writes(interface, allowed=False)
+    checks = [Check(kind="forbidden", weight=2), Check(kind="final_state"), Check(kind="required_calls")]
+    return refusals + tasks, checks, more + needed
+
+
+def _completion(interface: Interface) -> tuple[list[TaskTemplate], list[Check], list[str]]:
+    tasks, needed = _writes(interface, allowed=True)
+    checks = [
+        Check(kind="final_state", weight=2),
+        Check(kind="required_calls"),
+        Check(kind="valid_calls", weight=0.5),
+    ]
+    return tasks, checks, needed
+
+
+def _facts(interface: Interface) -> tuple[list[TaskTemplate], list[Check], list[str]]:
+    tasks, _, needed = _lookups(interface)
+    return tasks, [Check(kind="facts", weight=2), Check(kind="required_calls")], needed
+
+
+FAMILIES: dict[str, Family] = {
+    "tool_call_format": _lookups,
+    "tool_selection": _lookups,
+    "termination": _lookups,
+    "communicating_facts": _facts,
+    "argument_grounding": _grounding,
+    "precondition_verification": _preconditions,
+    "policy_refusal": _refusals,
+    "multi_step_completion": _completion,
+    "error_recovery": _preconditions,
+}
+
+HINTS: dict[str, str] = {
+    "tool_call_format": 'Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call> only.',
+    "tool_selection": "Pick the tool whose name matches what you need to know.",
+    "termination": "After the tool answers, reply to the user in one sentence.",
+    "communicating_facts": "Repeat the exact values the tool returned in your reply.",
+    "argument_grounding": "Copy ids exactly from the search result into the next call.",
+    "precondition_verification": "Look the record up and check its status before changing it.",
+    "policy_refusal": "If the status does not allow the change, do not make it; say why.",
+    "multi_step_completion": "Look the record up, then make the requested change.",
+    "error_recovery": "If a tool returns an error, fix the call instead of repeating it.",
+}
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def past_tense(verb: str) -> str:
+    if verb.endswith("e"):
+        return verb + "d"
+    if verb.endswith("y"):
+        return verb[:-1] + "ied"
+    return verb + "ed"
+
+
+def _params(function: dict[str, Any]) -> list[str]:
+    return list(((function.get("parameters") or {}).get("properties") or {}).keys())
+
+
+def _nouns(function: dict[str, Any]) -> list[str]:
+    nouns = [m["noun"] for p in _params(function) if (m := _ID_PARAM.match(p))]
+    name = function.get("name", "")
+    parts = name.split("_")
+    if len(parts) == 2 and guess_role(name) == "read" and not nouns:
+        nouns.append(parts[1].removesuffix("s"))  # find_user(email, ...) -> user
+    return nouns
+
+
+def _target(function: dict[str, Any], tables: Mapping[str, Any]) -> str | None:
+    """The table a tool acts on: its first required id parameter's, else its name's noun."""
+    parameters = function.get("parameters") or {}
+    for param in [*parameters.get("required", []), *_params(function)]:
+        match = _ID_PARAM.match(param)
+        if match and match["noun"] in tables and not param.endswith("_ids"):
+            return match["noun"]
+    parts = function.get("name", "").split("_")
+    noun = parts[-1].removesuffix("s") if len(parts) > 1 else ""
+    return noun if noun in tables else None
+
+
+def _pairs() -> list[tuple[str, str]]:
+    return list(zip(_POOLS["first_name"], _POOLS["last_name"], strict=True))
+
+
+def _pairs_of(tasks: list[TaskTemplate]) -> list[tuple[Action, Action]]:
+    return [(t.reference[0], t.reference[1]) for t in tasks if len(t.reference) >= 2]
+
+
+def _unique_checks(checks: list[Check]) -> list[Check]:
+    return list({(c.kind, c.before, c.after): c for c in checks}.values())

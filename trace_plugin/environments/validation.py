@@ -1,0 +1,186 @@
+"""Validation and calibration: whether a synthesized environment is fit to train on.
+
+An environment is usable only when its reward means something:
+
+- **checks**: the reference policy scores 1 on at least 99% of seeds, while doing nothing
+  and acting at random average at most 0.2 (so reward measures the capability, not luck);
+- **calibration**: the base model, sampled K times on each of M seeds, must land in a
+  learnable band (mean reward 0.15–0.7 by default) with enough informative groups (K
+  samples that do not all score the same: GRPO learns nothing from a constant group).
+  Out of band, :func:`adjust` turns a difficulty knob and calibration runs again, up to
+  five attempts; every attempt is kept in the report.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from trace_plugin.environments.base import ToolCall
+from trace_plugin.environments.interpreter import SpecEnv
+from trace_plugin.environments.spec import EnvSpec
+
+VALIDATION_SEEDS = range(1_000_000, 1_000_100)  # disjoint from training and calibration seeds
+CALIBRATION_SEEDS = range(2_000_000, 2_000_100)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyCheck:
+    reference_success: float
+    do_nothing_mean: float
+    random_mean: float
+    seeds: int
+    problems: tuple[str, ...]
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+
+def check_policies(
+    spec: EnvSpec,
+    seeds: Sequence[int] = VALIDATION_SEEDS,
+    *,
+    min_reference: float = 0.99,
+    max_baseline: float = 0.2,
+) -> PolicyCheck:
+    """Play the reference, do-nothing and random policies on ``seeds``."""
+    env = SpecEnv(spec)
+    reference = nothing = rand = 0.0
+    errors: list[str] = []
+    for seed in seeds:
+        task = env.reset(seed)
+        errors += task.metadata["reference_errors"][:1]
+        for action in task.metadata["reference"]:
+            env.step(ToolCall(action["name"], action["arguments"]))
+        reference += env.reward(" ".join(str(f) for f in task.metadata["facts"])).total >= 1.0
+        env.reset(seed)
+        nothing += env.reward("").total
+        env.reset(seed)
+        rand += _random_episode(env, random.Random(seed))
+    n = len(seeds)
+    check = (reference / n, nothing / n, rand / n)
+    problems = []
+    if check[0] < min_reference:
+        problems.append(f"reference succeeds on {check[0]:.0%} of seeds (< {min_reference:.0%})")
+        problems += [f"e.g. {e}" for e in errors[:1]]
+    if check[1] > max_baseline:
+        problems.append(f"doing nothing averages {check[1]:.2f} (> {max_baseline})")
+    if check[2] > max_baseline:
+        problems.append(f"random calls average {check[2]:.2f} (> {max_baseline})")
+    return PolicyCheck(*(round(v, 4) for v in check), seeds=n, problems=tuple(problems))
+
+
+def _random_episode(env: SpecEnv, rng: random.Random, calls: int = 3) -> float:
+    """Random tools with arguments of the right types, but values the agent made up."""
+    for _ in range(calls):
+        tool = rng.choice(env.spec.tools)
+        properties = tool.parameters.get("properties", {})
+        arguments = {
+            name: [f"X{rng.randrange(10**6)}"]
+            if schema.get("type") == "array"
+            else f"X{rng.randrange(10**6)}"
+            for name, schema in properties.items()
+        }
+        env.step(ToolCall(tool.name, arguments))
+    return env.reward("I could not help with that.").total
+
+
+# -- calibration ----------------------------------------------------------------------------
+
+# Plays one episode of ``env`` (already reset to ``seed``) and returns its reward.
+Play = Callable[[SpecEnv, int], Awaitable[float]]
+
+
+@dataclass(frozen=True, slots=True)
+class Band:
+    low: float = 0.15
+    high: float = 0.7
+    informative: float = 0.5
+    attempts: int = 5
+
+
+@dataclass(slots=True)
+class Calibration:
+    """Every attempt's figures and the knobs it ran with; the last attempt decides."""
+
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    band: Band = Band()
+
+    @property
+    def in_band(self) -> bool:
+        return bool(self.attempts) and self.attempts[-1]["in_band"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"band": asdict(self.band), "attempts": self.attempts, "in_band": self.in_band}
+
+
+async def calibrate(
+    spec: EnvSpec,
+    play: Play,
+    *,
+    seeds: Sequence[int] = CALIBRATION_SEEDS[:8],
+    samples: int = 4,
+    hint_fraction: float = 0.0,
+    band: Band = Band(),
+    progress: Callable[[str], None] | None = None,
+) -> tuple[EnvSpec, Calibration]:
+    """Measure the base model on ``spec``; adjust difficulty until it is learnable.
+
+    Returns the last spec tried and the report. ``hint_fraction`` of the samples see the
+    hint, as they will in training.
+    """
+    report = Calibration(band=band)
+    for attempt in range(band.attempts):
+        groups = []
+        for seed in seeds:
+            rewards = []
+            for k in range(samples):
+                env = SpecEnv(spec, hinted=k < round(hint_fraction * samples))
+                env.reset(seed)
+                rewards.append(await play(env, seed))
+            groups.append(rewards)
+        flat = [r for g in groups for r in g]
+        mean = sum(flat) / len(flat)
+        informative = sum(len(set(g)) > 1 for g in groups) / len(groups)
+        in_band = band.low <= mean <= band.high and informative >= band.informative
+        report.attempts.append(
+            {
+                "attempt": attempt + 1,
+                "mean_reward": round(mean, 4),
+                "informative": round(informative, 4),
+                "in_band": in_band,
+                "difficulty": spec.difficulty.model_dump(),
+                "templates": [t.kind for t in spec.tasks],
+            }
+        )
+        if progress:
+            progress(f"calibration {attempt + 1}: mean {mean:.2f}, informative {informative:.0%}")
+        if in_band:
+            break
+        adjusted = adjust(spec, mean, band)
+        if adjusted is None:
+            break
+        spec = adjusted
+    return spec, report
+
+
+def adjust(spec: EnvSpec, mean: float, band: Band = Band()) -> EnvSpec | None:
+    """One step easier or harder, or None when no knob is left to turn."""
+    difficulty = spec.difficulty
+    if mean > band.high:
+        if difficulty.distractor_rows >= 12:
+            return None
+        harder = difficulty.model_copy(update={"distractor_rows": difficulty.distractor_rows + 4})
+        return spec.model_copy(update={"difficulty": harder})
+    if difficulty.distractor_rows:
+        return spec.model_copy(update={"difficulty": difficulty.model_copy(update={"distractor_rows": 0})})
+    if len(spec.tasks) > 1:  # keep the templates with the shortest reference
+        shortest = min(len(t.reference) for t in spec.tasks)
+        easier = [t for t in spec.tasks if len(t.reference) == shortest]
+        if len(easier) < len(spec.tasks):
+            return spec.model_copy(update={"tasks": easier})
+        return spec.model_copy(update={"tasks": spec.tasks[: max(1, len(spec.tasks) // 2)]})
+    return None

@@ -1,0 +1,39 @@
+"""An expert: one LoRA adapter trained for one capability, as the store records it.
+
+Training (``training/``, with the heavy dependencies) produces it; the improver, gate and
+gateway read it. A record is ``ready`` only once its adapter is complete on disk and its
+sha256 is known: a crash mid-training leaves ``training`` or ``failed``, never ``ready``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from trace_plugin.trajectory import new_id, utcnow
+
+ExpertStatus = Literal["training", "ready", "failed"]
+
+
+@dataclass(slots=True)
+class Expert:
+    agent: str
+    capability: str
+    env_name: str
+    env_version: int
+    base_model: str
+    base_model_hash: str
+    config: dict[str, Any]
+    status: ExpertStatus = "training"
+    reward_curve: list[float] = field(default_factory=list)
+    evaluation: dict[str, Any] = field(default_factory=dict)
+    adapter_path: str | None = None
+    adapter_sha256: str | None = None
+    id: str = field(default_factory=new_id)
+    created_at: datetime = field(default_factory=utcnow)
+
+    @property
+    def adapter_name(self) -> str:
+        """The name it is served under: the capability, versioned by the record's id."""
+        return f"{self.capability}@{self.id[:8]}"
