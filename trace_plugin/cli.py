@@ -208,13 +208,13 @@ envs_app = typer.Typer(help="Training and target environments.", no_args_is_help
 app.add_typer(envs_app, name="envs")
 
 
-def _environment(name: str) -> Any:
-    from trace_plugin.environments.retail import RetailEnv
+def _environment(name: str, db: str | None = None) -> Any:
+    from trace_plugin.environments.catalog import UnknownEnvironment, env_factory
 
-    factories = {"retail": RetailEnv}
-    if name not in factories:
-        raise typer.BadParameter(f"unknown environment {name!r}; known: {', '.join(sorted(factories))}")
-    return factories[name]
+    try:
+        return env_factory(name, _store(db))
+    except UnknownEnvironment as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 @envs_app.command("serve")
@@ -232,7 +232,7 @@ def envs_serve(
     from mcp_server.transport import serve_http, serve_stdio
     from trace_plugin.recorder import configure
 
-    server = build_server(name, _environment(name), recorder=configure(db))
+    server = build_server(name, _environment(name, db), recorder=configure(db))
     asyncio.run(serve_stdio(server) if transport == "stdio" else serve_http(server, host, port))
 
 
@@ -333,22 +333,130 @@ def capabilities_show(name: str, agent: Annotated[str, typer.Option()], db: DbOp
 
 
 @envs_app.command("list")
-def envs_list() -> None:
-    """The environments this installation can serve."""
-    table = Table(title="Environments")
-    for column in ("name", "tools", "train seeds", "test seeds"):
-        table.add_column(column)
-    from trace_plugin.environments import retail
+def envs_list(db: DbOption = None) -> None:
+    """Bundled environments and the synthesized ones in the store (latest versions)."""
+    from trace_plugin.environments.catalog import BUNDLED
 
-    table.add_row("retail", str(len(retail.TOOLS)), str(len(retail.TRAIN_SEEDS)), str(len(retail.TEST_SEEDS)))
+    table = Table(title="Environments")
+    for column in ("name", "version", "capability", "status", "tools", "templates", "agent"):
+        table.add_column(column)
+    for name, factory in BUNDLED.items():
+        table.add_row(name, "bundled", "—", "target", str(len(factory().tools)), "—", "—")
+    seen: set[str] = set()
+    for record in _store(db).env_specs():
+        if record.spec.name not in seen:
+            seen.add(record.spec.name)
+            spec = record.spec
+            table.add_row(
+                spec.name,
+                str(record.version),
+                spec.capability,
+                _status_style(record.status),
+                str(len(spec.tools)),
+                str(len(spec.tasks)),
+                record.agent,
+            )
     console.print(table)
 
 
+def _status_style(status: str) -> str:
+    return {"validated": "[green]validated[/]", "rejected": "[red]rejected[/]"}.get(
+        status, f"[yellow]{status}[/]"
+    )
+
+
 @envs_app.command("show")
-def envs_show(name: str, seed: Annotated[int, typer.Option(help="Show this seed's task.")] = 0) -> None:
-    """An environment's policy, tools and one task."""
-    env = _environment(name)()
+def envs_show(
+    name: str,
+    seed: Annotated[int, typer.Option(help="Show this seed's task.")] = 0,
+    db: DbOption = None,
+) -> None:
+    """An environment's policy, tools and one task (and a synthesized one's reports)."""
+    env = _environment(name, db)()
     task = env.reset(seed)
     console.print(f"[bold]{name}[/]\n{env.system_prompt}\n")
     console.print("tools: " + ", ".join(t["function"]["name"] for t in env.tools))
     console.print(f"task {seed} ({task.kind}): {task.prompt}")
+    reference = task.metadata.get("reference") or []
+    console.print("reference: " + " → ".join(f"{a['name']}({_short(a['arguments'], 60)})" for a in reference))
+    record = _store(db).env_spec(name)
+    if record is not None:
+        console.print(f"version {record.version}, {_status_style(record.status)}; hint: {record.spec.hint!r}")
+        console.print_json(data=record.report)
+
+
+@envs_app.command("validate")
+def envs_validate(
+    name: str,
+    seeds: Annotated[int, typer.Option(help="How many validation seeds to play.")] = 100,
+    db: DbOption = None,
+) -> None:
+    """Re-run the policy checks on a synthesized environment: reference, do-nothing, random."""
+    from trace_plugin.environments.validation import VALIDATION_SEEDS, check_policies
+
+    record = _store(db).env_spec(name)
+    if record is None:
+        raise typer.BadParameter(f"no synthesized environment {name!r}")
+    check = check_policies(record.spec, VALIDATION_SEEDS[:seeds])
+    table = Table(title=f"{name} v{record.version}: {check.seeds} seeds")
+    for column in ("policy", "score", "must be"):
+        table.add_column(column)
+    table.add_row("reference (success rate)", f"{check.reference_success:.2f}", "≥ 0.99")
+    table.add_row("do nothing (mean reward)", f"{check.do_nothing_mean:.2f}", "≤ 0.20")
+    table.add_row("random calls (mean reward)", f"{check.random_mean:.2f}", "≤ 0.20")
+    console.print(table)
+    for problem in check.problems:
+        console.print(f"[red]✗ {problem}[/]")
+    if not check.passed:
+        raise typer.Exit(1)
+    console.print("[green]valid[/]")
+
+
+@app.command("synthesize")
+def synthesize_command(
+    capability: str,
+    agent: Annotated[str, typer.Option(help="The agent whose traffic and mined capability to use.")],
+    calibrate: Annotated[bool, typer.Option(help="Calibrate difficulty with the base model.")] = True,
+    base_url: Annotated[
+        str | None, typer.Option(help="OpenAI-compatible endpoint of the base model; default: run it here.")
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="Model name (or local dir, when run here).")] = None,
+    db: DbOption = None,
+) -> None:
+    """Synthesize, check and calibrate a training environment for a mined capability."""
+    import asyncio
+    from contextlib import ExitStack
+
+    from trace_plugin.environments.catalog import chat_player, prepare_environment
+
+    store = _store(db)
+    found = [c for c in store.capabilities(agent) if c.name == capability]
+    if not found:
+        raise typer.BadParameter(f"no capability {capability!r} in the latest mining run of {agent!r}")
+    with ExitStack() as stack:
+        play = None
+        if calibrate:
+            if base_url is None:
+                base_url, model = _local_gateway(stack, model), "base"
+            play = chat_player(base_url, model or "base", agent=f"calibration:{capability}", max_tokens=96)
+        record = asyncio.run(
+            prepare_environment(store, agent, found[0], play=play, progress=lambda m: console.print(m))
+        )
+    console.print(
+        f"{record.spec.name} v{record.version}: {_status_style(record.status)} "
+        f"({len(record.spec.tools)} tools, {len(record.spec.tasks)} templates)"
+    )
+    for problem in record.report["policies"]["problems"]:
+        console.print(f"[red]✗ {problem}[/]")
+
+
+def _local_gateway(stack: Any, model: str | None) -> str:
+    """The embedded model behind a gateway on a background thread, for the length of ``stack``."""
+    from trace_plugin.gateway.app import GatewayConfig, create_app
+    from trace_plugin.gateway.embedded import EmbeddedBackend
+    from trace_plugin.gateway.server import start_in_thread
+
+    with console.status("loading the base model…"):
+        backend = EmbeddedBackend(model)
+    server = stack.enter_context(start_in_thread(create_app(backend, config=GatewayConfig(record=False))))
+    return f"{server.url}/v1"

@@ -102,12 +102,15 @@ class Band:
     attempts: int = 5
 
 
+DEFAULT_BAND = Band()
+
+
 @dataclass(slots=True)
 class Calibration:
     """Every attempt's figures and the knobs it ran with; the last attempt decides."""
 
     attempts: list[dict[str, Any]] = field(default_factory=list)
-    band: Band = Band()
+    band: Band = DEFAULT_BAND
 
     @property
     def in_band(self) -> bool:
@@ -124,7 +127,7 @@ async def calibrate(
     seeds: Sequence[int] = CALIBRATION_SEEDS[:8],
     samples: int = 4,
     hint_fraction: float = 0.0,
-    band: Band = Band(),
+    band: Band = DEFAULT_BAND,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[EnvSpec, Calibration]:
     """Measure the base model on ``spec``; adjust difficulty until it is learnable.
@@ -167,7 +170,7 @@ async def calibrate(
     return spec, report
 
 
-def adjust(spec: EnvSpec, mean: float, band: Band = Band()) -> EnvSpec | None:
+def adjust(spec: EnvSpec, mean: float, band: Band = DEFAULT_BAND) -> EnvSpec | None:
     """One step easier or harder, or None when no knob is left to turn."""
     difficulty = spec.difficulty
     if mean > band.high:

@@ -1,0 +1,112 @@
+"""Which environments exist, and how a capability becomes a validated one.
+
+Bundled environments are code we ship (the retail target); synthesized ones are stored
+specs, looked up by name (their latest version unless one is asked for). Both come out of
+:func:`env_factory` as the same kind of factory, so the runner, the MCP server and the
+trainer never know the difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from trace_plugin.environments.base import Environment
+from trace_plugin.environments.interpreter import SpecEnv
+from trace_plugin.environments.retail import RetailEnv
+from trace_plugin.environments.spec import EnvSpec, SpecRecord
+from trace_plugin.environments.synthesis import Target, synthesize
+from trace_plugin.environments.validation import (
+    CALIBRATION_SEEDS,
+    DEFAULT_BAND,
+    Band,
+    Play,
+    calibrate,
+    check_policies,
+)
+from trace_plugin.mining.capability import Capability
+from trace_plugin.store import Store
+
+BUNDLED: dict[str, Callable[[], Environment]] = {"retail": RetailEnv}
+
+
+class UnknownEnvironment(LookupError):
+    pass
+
+
+def env_factory(
+    name: str, store: Store | None = None, version: int | None = None
+) -> Callable[[], Environment]:
+    if name in BUNDLED:
+        return BUNDLED[name]
+    record = store.env_spec(name, version) if store is not None else None
+    if record is None:
+        known = sorted(BUNDLED) + sorted({r.spec.name for r in store.env_specs()} if store else set())
+        raise UnknownEnvironment(f"unknown environment {name!r}; known: {', '.join(known)}")
+    spec = record.spec
+    return lambda: SpecEnv(spec)
+
+
+def chat_player(base_url: str, model: str, *, agent: str, temperature: float = 1.0, **options: Any) -> Play:
+    """Plays calibration episodes through an OpenAI-compatible endpoint (our gateway, vLLM)."""
+    from trace_plugin.environments.runner import ChatLoopAgent
+    from trace_plugin.trajectory import new_id
+
+    loop = ChatLoopAgent(base_url, model, agent=agent, temperature=temperature, **options)
+
+    async def play(env: SpecEnv, seed: int) -> float:
+        assert env.task is not None
+        try:
+            answer = await loop.solve(env, env.task, new_id())
+        except Exception:  # a failed call scores like a failed episode
+            answer = ""
+        return env.reward(answer).total
+
+    return play
+
+
+async def prepare_environment(
+    store: Store,
+    agent: str,
+    capability: Capability,
+    *,
+    play: Play | None = None,
+    hint_fraction: float = 0.5,
+    band: Band = DEFAULT_BAND,
+    seeds: Sequence[int] = CALIBRATION_SEEDS[:8],
+    samples: int = 4,
+    progress: Callable[[str], None] | None = None,
+) -> SpecRecord:
+    """Synthesize an environment for ``capability`` from the agent's traffic, check and
+    calibrate it, and store it: ``validated`` when usable, ``out_of_band`` when the base
+    model's reward stayed outside the learnable band, ``rejected`` when its reward is broken.
+    """
+    target = Target.from_store(store, agent)
+    spec: EnvSpec = synthesize(
+        capability.name,
+        target.tools,
+        system_prompt=target.system_prompt,
+        observations=target.observations,
+        description=capability.description,
+    )
+    policies = check_policies(spec)
+    report: dict[str, Any] = {
+        "policies": {
+            "reference_success": policies.reference_success,
+            "do_nothing_mean": policies.do_nothing_mean,
+            "random_mean": policies.random_mean,
+            "seeds": policies.seeds,
+            "problems": list(policies.problems),
+        },
+        "capability": {"name": capability.name, "mining_run": capability.mining_run},
+    }
+    if not policies.passed:
+        return store.save_env_spec(agent, spec, "rejected", report)
+    status = "validated"
+    if play is not None:
+        spec, calibration = await calibrate(
+            spec, play, hint_fraction=hint_fraction, band=band, progress=progress
+        )
+        report["calibration"] = calibration.to_dict()
+        status = "validated" if calibration.in_band else "out_of_band"
+    return store.save_env_spec(agent, spec, status, report)
