@@ -460,3 +460,30 @@ def _local_gateway(stack: Any, model: str | None) -> str:
         backend = EmbeddedBackend(model)
     server = stack.enter_context(start_in_thread(create_app(backend, config=GatewayConfig(record=False))))
     return f"{server.url}/v1"
+
+
+export_app = typer.Typer(help="Send recorded episodes to other tools.", no_args_is_help=True)
+app.add_typer(export_app, name="export")
+
+
+@export_app.command("otel")
+def export_otel(
+    db: DbOption = None,
+    agent: Annotated[str | None, typer.Option(help="Only this agent's episodes.")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Only the newest N episodes.")] = None,
+    content: Annotated[
+        bool, typer.Option("--content", help="Include messages, tool arguments and results (may hold PII).")
+    ] = False,
+) -> None:
+    """Send finished episodes as OpenTelemetry GenAI spans over OTLP/HTTP (set OTEL_EXPORTER_OTLP_*)."""
+    try:
+        from integrations.otel import export_episodes
+    except ImportError:
+        console.print("[red]needs the otel extra:[/] pip install 'trace-plugin[otel]'")
+        raise typer.Exit(1) from None
+    try:
+        count = export_episodes(_store(db), agent, limit=limit, include_content=content)
+    except RuntimeError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(1) from None
+    console.print(f"[green]exported {count} episode(s)[/]")
