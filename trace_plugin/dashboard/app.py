@@ -1,0 +1,229 @@
+"""The read-only web dashboard: episodes, success over time, mined capabilities.
+
+``create_dashboard(store)`` returns a FastAPI app rendering Jinja2 templates on the server,
+with no script at all: filters are plain GET forms and the plot is inline SVG. Everything
+captured is untrusted (prompts, tool arguments and results come from users and tools), so
+templates autoescape and the Content-Security-Policy forbids scripts besides.
+
+Every route only reads. A request with any other method than GET or HEAD is refused
+unless it carries ``Authorization: Bearer <admin_token>``, so actions added later (relabel
+an episode, promote a deployment) are admin-only from the start; without a token configured
+the dashboard refuses them all.
+"""
+
+from __future__ import annotations
+
+import hmac
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, get_args
+from urllib.parse import quote, urlencode
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from trace_plugin.dashboard import queries as q
+from trace_plugin.dashboard.conversation import conversation, pretty
+from trace_plugin.dashboard.plot import build_plot
+from trace_plugin.store import Store
+
+PAGE_SIZE = 50
+SAFE_METHODS = {"GET", "HEAD"}
+SECURITY_HEADERS = {
+    # No script may run: a payload that slipped past escaping would stay inert.
+    "Content-Security-Policy": (
+        "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'; "
+        "base-uri 'none'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+def _when(value: datetime | None, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
+    return value.astimezone(UTC).strftime(fmt) if value else "—"
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def _environment() -> Environment:
+    env = Environment(
+        loader=FileSystemLoader(Path(__file__).with_name("templates")),
+        autoescape=True,  # every template, SVG included: labels come from captured data
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update(when=_when, num=_num, pretty=pretty, quote=lambda s: quote(str(s), safe=""))
+    return env
+
+
+def _blank(value: str | None) -> str | None:
+    """Empty form fields arrive as ``name=``: they mean no filter."""
+    if value is None:
+        return None
+    return value.strip() or None
+
+
+def _time(value: str | None, name: str) -> datetime | None:
+    """A datetime-local field (or any ISO time) read as UTC unless it names its zone."""
+    value = _blank(value)
+    if value is None:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError as exc:
+        raise HTTPException(400, f"{name}: not an ISO date or time: {value!r}") from exc
+    return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
+
+
+def _choice(value: str | None, allowed: tuple[str, ...], name: str) -> Any:
+    value = _blank(value)
+    if value is not None and value not in allowed:
+        raise HTTPException(400, f"{name} must be one of {', '.join(allowed)}")
+    return value
+
+
+def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
+    """The dashboard over ``store``; ``admin_token`` unlocks non-GET requests (none exist yet)."""
+    env = _environment()
+    engine = store.engine.execution_options(sqlite_read=True)  # deferred BEGIN: never blocks writers
+    app = FastAPI(
+        title="trace-plugin dashboard", version="1", docs_url=None, redoc_url=None, openapi_url=None
+    )
+
+    def render(template: str, code: int = 200, **context: Any) -> HTMLResponse:
+        return HTMLResponse(env.get_template(template).render(**context), status_code=code)
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next: Any) -> Response:
+        if request.method not in SAFE_METHODS:
+            supplied = request.headers.get("authorization", "").encode()  # bytes: any header compares
+            if admin_token is None or not hmac.compare_digest(supplied, f"Bearer {admin_token}".encode()):
+                return PlainTextResponse(
+                    "the dashboard is read-only; changes need 'Authorization: Bearer <admin token>'", 403
+                )
+        response: Response = await call_next(request)
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+    @app.exception_handler(StarletteHTTPException)  # FastAPI's subclass and the router's 404/405
+    async def _error(_: Request, exc: StarletteHTTPException) -> HTMLResponse:
+        return render("error.html", exc.status_code, nav="", status=exc.status_code, message=exc.detail)
+
+    @app.get("/", include_in_schema=False)
+    def index() -> RedirectResponse:
+        return RedirectResponse("/episodes", status_code=307)
+
+    @app.get("/episodes")
+    def episodes(
+        agent: str | None = None,
+        outcome: str | None = None,
+        status: str | None = None,
+        source: str | None = None,
+        adapter: str | None = None,
+        since: str | None = None,
+        until: str | None = None,
+        page: int = 1,
+    ) -> HTMLResponse:
+        where = q.EpisodeFilter(
+            agent=_blank(agent),
+            outcome=_choice(outcome, q.OUTCOMES, "outcome"),
+            status=_choice(status, q.STATUSES, "status"),
+            source=_blank(source),
+            adapter=_blank(adapter),
+            since=_time(since, "since"),
+            until=_time(until, "until"),
+        )
+        page = max(page, 1)
+        total = q.count_episodes(engine, where)
+        rows = q.list_episodes(engine, where, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE)
+        form = {
+            "agent": where.agent,
+            "outcome": where.outcome,
+            "status": where.status,
+            "source": where.source,
+            "adapter": where.adapter,
+            "since": _blank(since),
+            "until": _blank(until),
+        }
+        active = {k: v for k, v in form.items() if v is not None}
+
+        def link(n: int) -> str:
+            return "/episodes?" + urlencode({**active, "page": n})
+
+        pages = max(1, -(-total // PAGE_SIZE))
+        return render(
+            "episodes.html",
+            nav="episodes",
+            rows=rows,
+            total=total,
+            form=form,
+            facets=q.facets(engine),
+            outcomes=q.OUTCOMES,
+            statuses=q.STATUSES,
+            page=page,
+            pages=pages,
+            prev_link=link(page - 1) if page > 1 else None,
+            next_link=link(page + 1) if page < pages else None,
+        )
+
+    @app.get("/episodes/{episode_id:path}")
+    def episode(episode_id: str) -> HTMLResponse:
+        found = store.get_episode(episode_id)
+        if found is None:
+            raise HTTPException(404, f"no episode {episode_id}")
+        return render(
+            "episode.html",
+            nav="episodes",
+            episode=found,
+            outcome=q.outcome_of(found.label, found.reward),
+            messages=conversation(found),
+            feedback=store.feedback_for(episode_id),
+        )
+
+    @app.get("/success")
+    def success(
+        agent: str | None = None, bucket: str = "day", since: str | None = None, until: str | None = None
+    ) -> HTMLResponse:
+        size = _choice(bucket, get_args(q.Bucket), "bucket") or "day"
+        agent = _blank(agent)
+        stats = q.success_buckets(
+            engine, size, agent=agent, since=_time(since, "since"), until=_time(until, "until")
+        )
+        markers = q.deployment_markers(engine, agent)
+        return render(
+            "success.html",
+            nav="success",
+            plot=build_plot(stats, size, markers),
+            stats=stats,
+            markers=markers,
+            form={"agent": agent, "bucket": size, "since": _blank(since), "until": _blank(until)},
+            agents=q.facets(engine).agents,
+            buckets=get_args(q.Bucket),
+        )
+
+    @app.get("/capabilities")
+    def capabilities(agent: str | None = None, run: str | None = None) -> HTMLResponse:
+        mined = q.capability_agents(engine)
+        chosen = _blank(agent) or (mined[0] if mined else None)
+        runs = q.mining_runs(engine, chosen) if chosen else []
+        # A run of the agent picked before may still be in the form: the latest run then.
+        chosen_run = run if run in {r.id for r in runs} else (runs[0].id if runs else None)
+        found = store.capabilities(chosen, chosen_run) if chosen and chosen_run else []
+        return render(
+            "capabilities.html",
+            nav="capabilities",
+            agents=q.facets(engine).agents,
+            agent=chosen,
+            runs=runs,
+            run=chosen_run,
+            capabilities=found,
+            stages=q.stage_tables(engine, chosen),
+        )
+
+    return app

@@ -1,0 +1,102 @@
+"""Success-over-time geometry for an inline SVG, computed here so the page needs no script.
+
+The template draws what this returns; every label it carries is escaped there like any
+other captured text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from trace_plugin.dashboard.queries import Bucket, BucketStat, Marker
+
+WIDTH, HEIGHT = 960, 320
+LEFT, RIGHT, TOP, BOTTOM = 56, 56, 16, 40  # room for centred time labels at both ends
+MAX_X_TICKS = 8
+# Colour-blind-safe palette (Okabe-Ito), cycled per agent.
+COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    x: float
+    y: float
+    title: str
+
+
+@dataclass(slots=True)
+class Series:
+    agent: str
+    color: str
+    points: list[Point] = field(default_factory=list)
+
+    @property
+    def polyline(self) -> str:
+        return " ".join(f"{p.x:.1f},{p.y:.1f}" for p in self.points)
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    pos: float
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedMarker:
+    x: float
+    label: str
+    title: str
+
+
+@dataclass(frozen=True, slots=True)
+class Plot:
+    width: int
+    height: int
+    left: int
+    right: int
+    top: int
+    bottom: int
+    series: list[Series]
+    x_ticks: list[Tick]
+    y_ticks: list[Tick]
+    markers: list[PlacedMarker]
+
+
+def build_plot(stats: Sequence[BucketStat], bucket: Bucket, markers: Sequence[Marker] = ()) -> Plot | None:
+    """Lines of success rate per agent over time, with the markers inside the time range;
+    None when no episode has an outcome to plot."""
+    if not stats:
+        return None
+    step = timedelta(hours=1) if bucket == "hour" else timedelta(days=1)
+    first = min(s.start for s in stats)
+    last = max(s.start for s in stats) + step  # a bucket spans [start, start + step)
+    span = (last - first).total_seconds()
+    inner_w, inner_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+
+    def x_of(at: datetime) -> float:
+        return LEFT + inner_w * (at - first).total_seconds() / span
+
+    def y_of(rate: float) -> float:
+        return TOP + inner_h * (1 - rate)
+
+    fmt = "%Y-%m-%d %H:00" if bucket == "hour" else "%Y-%m-%d"
+    series: dict[str, Series] = {}
+    for s in stats:
+        line = series.setdefault(s.agent, Series(s.agent, COLORS[len(series) % len(COLORS)]))
+        title = f"{s.agent} · {s.start.strftime(fmt)} UTC · {s.successes}/{s.with_outcome} = {s.rate:.0%}"
+        line.points.append(Point(x_of(s.start + step / 2), y_of(s.rate), title))
+
+    buckets = round((last - first) / step)
+    every = -(-buckets // MAX_X_TICKS)  # ticks on bucket boundaries, at most MAX_X_TICKS + 1
+    x_ticks = [
+        Tick(x_of(first + step * i), (first + step * i).strftime(fmt)) for i in range(0, buckets + 1, every)
+    ]
+    y_ticks = [Tick(y_of(r / 4), f"{r * 25}%") for r in range(5)]
+    placed = [
+        PlacedMarker(x_of(m.at), m.label, f"{m.label} · {m.at.strftime('%Y-%m-%d %H:%M')} UTC")
+        for m in markers
+        if first <= m.at <= last
+    ]
+    return Plot(WIDTH, HEIGHT, LEFT, RIGHT, TOP, BOTTOM, list(series.values()), x_ticks, y_ticks, placed)

@@ -1,0 +1,315 @@
+"""The dashboard's read queries: filtered episode pages, success per time bucket, and the
+tables of later stages when a migration has created them.
+
+``Store`` answers the CLI's questions; the dashboard needs filters, counts and buckets the
+CLI does not, so they live here, on the store's engine, in SQL that both dialects run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal, get_args
+
+from sqlalchemy import (
+    ColumnElement,
+    Engine,
+    MetaData,
+    Table,
+    and_,
+    case,
+    func,
+    inspect,
+    or_,
+    select,
+)
+from sqlalchemy.engine import Connection
+
+from trace_plugin.store import tables as t
+from trace_plugin.trajectory import EpisodeStatus
+
+Outcome = Literal["success", "failure", "unknown"]
+Bucket = Literal["hour", "day"]
+OUTCOMES: tuple[Outcome, ...] = ("success", "failure", "unknown")
+STATUSES: tuple[str, ...] = get_args(EpisodeStatus)
+# Tables later stages will add; the dashboard shows them once a migration creates them.
+STAGE_TABLES = ("env_specs", "experts", "deployments")
+
+_e = t.episodes.c
+# The outcome rule of ``Store.stats``: a label decides; lacking one, a reward of 1 is success.
+SUCCESS = or_(_e.label == "success", and_(_e.label.is_(None), _e.reward >= 1.0))
+FAILURE = or_(and_(_e.label.is_not(None), _e.label != "success"), and_(_e.label.is_(None), _e.reward < 1.0))
+UNKNOWN = and_(_e.label.is_(None), _e.reward.is_(None))
+_OUTCOME_CLAUSES: dict[Outcome, ColumnElement[bool]] = {
+    "success": SUCCESS,
+    "failure": FAILURE,
+    "unknown": UNKNOWN,
+}
+
+
+def outcome_of(label: str | None, reward: float | None) -> Outcome:
+    """The same rule as ``SUCCESS``/``FAILURE``, for a row already read."""
+    if label is not None:
+        return "success" if label == "success" else "failure"
+    if reward is not None:
+        return "success" if reward >= 1.0 else "failure"
+    return "unknown"
+
+
+def aware(value: Any) -> Any:
+    """SQLite hands datetimes back naive; everything stored is UTC."""
+    if isinstance(value, datetime) and value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeFilter:
+    """What the episode list is narrowed to; None means any."""
+
+    agent: str | None = None
+    outcome: Outcome | None = None
+    status: str | None = None
+    source: str | None = None
+    adapter: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+    def clauses(self) -> list[ColumnElement[bool]]:
+        where: list[ColumnElement[bool]] = []
+        for column, value in (
+            (_e.agent, self.agent),
+            (_e.status, self.status),
+            (_e.source, self.source),
+            (_e.adapter, self.adapter),
+        ):
+            if value is not None:
+                where.append(column == value)
+        if self.outcome is not None:
+            where.append(_OUTCOME_CLAUSES[self.outcome])
+        if self.since is not None:
+            where.append(_e.started_at >= self.since)
+        if self.until is not None:
+            where.append(_e.started_at < self.until)
+        return where
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeRow:
+    """One line of the episode list: the columns, not the payloads."""
+
+    id: str
+    agent: str
+    source: str
+    status: str
+    reward: float | None
+    label: str | None
+    error: str | None
+    model: str | None
+    adapter: str | None
+    started_at: datetime
+    ended_at: datetime | None
+
+    @property
+    def outcome(self) -> Outcome:
+        return outcome_of(self.label, self.reward)
+
+
+@dataclass(frozen=True, slots=True)
+class Facets:
+    """The values each filter can take, read from the data."""
+
+    agents: list[str]
+    sources: list[str]
+    adapters: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class BucketStat:
+    """Episodes with an outcome that started in one time bucket, and how many succeeded."""
+
+    agent: str
+    start: datetime
+    with_outcome: int
+    successes: int
+
+    @property
+    def rate(self) -> float:
+        return self.successes / self.with_outcome
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    """A labelled instant drawn across the success plot (a deployment)."""
+
+    at: datetime
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class StageTable:
+    """The newest rows of a later stage's table, shown as they are."""
+
+    name: str
+    columns: list[str]
+    rows: list[list[Any]]
+
+
+_LIST_COLUMNS = [
+    _e.id,
+    _e.agent,
+    _e.source,
+    _e.status,
+    _e.reward,
+    _e.label,
+    _e.error,
+    _e.model,
+    _e.adapter,
+    _e.started_at,
+    _e.ended_at,
+]
+
+
+def list_episodes(engine: Engine, where: EpisodeFilter, *, limit: int, offset: int) -> list[EpisodeRow]:
+    """A page of episodes, newest first."""
+    query = (
+        select(*_LIST_COLUMNS)
+        .where(*where.clauses())
+        .order_by(_e.started_at.desc(), _e.id)
+        .limit(limit)
+        .offset(offset)
+    )
+    with engine.connect() as conn:
+        return [EpisodeRow(*(aware(v) for v in row)) for row in conn.execute(query)]
+
+
+def count_episodes(engine: Engine, where: EpisodeFilter) -> int:
+    with engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(t.episodes).where(*where.clauses())).scalar_one()
+
+
+def facets(engine: Engine) -> Facets:
+    with engine.connect() as conn:
+
+        def distinct(column: Any) -> list[str]:
+            query = select(column).distinct().where(column.is_not(None)).order_by(column)
+            return list(conn.execute(query).scalars())
+
+        return Facets(distinct(t.agents.c.name), distinct(_e.source), distinct(_e.adapter))
+
+
+def success_buckets(
+    engine: Engine,
+    bucket: Bucket,
+    *,
+    agent: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> list[BucketStat]:
+    """Per agent and UTC hour or day: the episodes with an outcome and their successes."""
+    if engine.dialect.name == "postgresql":
+        start: ColumnElement[Any] = func.date_trunc(bucket, func.timezone("UTC", _e.started_at))
+    else:  # SQLite keeps naive UTC text, which strftime truncates
+        start = func.strftime("%Y-%m-%d %H:00:00" if bucket == "hour" else "%Y-%m-%d 00:00:00", _e.started_at)
+    where = EpisodeFilter(agent=agent, since=since, until=until).clauses()
+    # Bucket in a subquery: PostgreSQL would see date_trunc's two bound units as two expressions.
+    inner = (
+        select(
+            _e.agent.label("agent"),
+            start.label("start"),
+            case((SUCCESS, 1), else_=0).label("success"),
+        )
+        .where(~UNKNOWN, *where)
+        .subquery()
+    )
+    query = (
+        select(inner.c.agent, inner.c.start, func.count(), func.sum(inner.c.success))
+        .group_by(inner.c.agent, inner.c.start)
+        .order_by(inner.c.agent, inner.c.start)
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(query).all()
+    return [
+        BucketStat(
+            a, aware(s if isinstance(s, datetime) else datetime.fromisoformat(s)), int(n), int(ok or 0)
+        )
+        for a, s, n, ok in rows
+    ]
+
+
+def _reflect(conn: Connection, name: str) -> Table | None:
+    """The table as the database has it, or None before its migration exists."""
+    if not inspect(conn).has_table(name):
+        return None
+    return Table(name, MetaData(), autoload_with=conn)
+
+
+def _first(table: Table, names: tuple[str, ...]) -> Any:
+    return next((table.c[n] for n in names if n in table.c), None)
+
+
+_TIME_COLUMNS = ("deployed_at", "created_at", "started_at", "at", "time")
+_LABEL_COLUMNS = ("label", "name", "version", "adapter", "expert")
+
+
+def deployment_markers(engine: Engine, agent: str | None = None) -> list[Marker]:
+    """Deployments as plot markers, once a ``deployments`` table exists; [] until then.
+
+    The table is not designed yet, so its time and label columns are found by name.
+    """
+    with engine.connect() as conn:
+        table = _reflect(conn, "deployments")
+        if table is None:
+            return []
+        at, label = _first(table, _TIME_COLUMNS), _first(table, _LABEL_COLUMNS)
+        if at is None:
+            return []
+        query = select(at, label if label is not None else at).where(at.is_not(None)).order_by(at).limit(500)
+        if agent is not None and "agent" in table.c:
+            query = query.where(table.c.agent == agent)
+        rows = conn.execute(query).all()
+    return [Marker(aware(_as_datetime(a)), str(text)) for a, text in rows]
+
+
+def _as_datetime(value: Any) -> datetime:
+    return value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
+
+
+def stage_tables(engine: Engine, agent: str | None, limit: int = 20) -> list[StageTable]:
+    """The newest rows of each later-stage table that exists, for the agent when it has one."""
+    found = []
+    with engine.connect() as conn:
+        for name in STAGE_TABLES:
+            table = _reflect(conn, name)
+            if table is None:
+                continue
+            query = select(table).limit(limit)
+            if agent is not None and "agent" in table.c:
+                query = query.where(table.c.agent == agent)
+            newest = _first(table, _TIME_COLUMNS)
+            if newest is not None:
+                query = query.order_by(newest.desc())
+            rows = [[aware(v) for v in row] for row in conn.execute(query)]
+            found.append(StageTable(name, list(table.c.keys()), rows))
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class MiningRun:
+    id: str
+    mined_at: datetime
+
+
+def capability_agents(engine: Engine) -> list[str]:
+    c = t.capabilities.c
+    with engine.connect() as conn:
+        return list(conn.execute(select(c.agent).distinct().order_by(c.agent)).scalars())
+
+
+def mining_runs(engine: Engine, agent: str) -> list[MiningRun]:
+    """The agent's mining passes, newest first."""
+    c = t.capabilities.c
+    mined = func.max(c.mined_at)
+    query = select(c.mining_run, mined).where(c.agent == agent).group_by(c.mining_run).order_by(mined.desc())
+    with engine.connect() as conn:
+        return [MiningRun(run, aware(_as_datetime(at))) for run, at in conn.execute(query)]
