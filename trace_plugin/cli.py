@@ -487,3 +487,21 @@ def export_otel(
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(1) from None
     console.print(f"[green]exported {count} episode(s)[/]")
+
+
+@app.command("dashboard")
+def dashboard(
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8300,
+    host: Annotated[
+        str, typer.Option(help="Interface; keep loopback unless the network is trusted.")
+    ] = "127.0.0.1",
+    db: DbOption = None,
+) -> None:
+    """A read-only web view of the episodes, success over time and mined capabilities."""
+    import uvicorn
+
+    from trace_plugin.dashboard import create_dashboard
+
+    application = create_dashboard(_store(db))
+    console.print(f"dashboard at http://{host}:{port}/ (read-only)")
+    uvicorn.run(application, host=host, port=port, log_level="info")
