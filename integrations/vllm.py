@@ -76,19 +76,20 @@ class VLLMBackend:
             body["seed"] = params.seed
         if params.stop:
             body["stop"] = list(params.stop)
-        if params.logprobs:
-            body["logprobs"] = 0
+        if params.logprobs or params.top_logprobs:
+            body["logprobs"] = params.top_logprobs
         data = await self._post_json("/v1/completions", body)
         return [self._completion(choice, data) for choice in data["choices"]]
 
     def _completion(self, choice: dict[str, Any], data: dict[str, Any]) -> Completion:
-        logprobs = None
+        logprobs = top = None
         if choice.get("logprobs"):
             logprobs = choice["logprobs"].get("token_logprobs")
+            top = choice["logprobs"].get("top_logprobs")
         prompt_ids = choice.get("prompt_token_ids") or data.get("prompt_token_ids") or []
         finish = "length" if choice.get("finish_reason") == "length" else "stop"
         return Completion(
-            choice["text"], list(choice.get("token_ids") or []), finish, list(prompt_ids), logprobs
+            choice["text"], list(choice.get("token_ids") or []), finish, list(prompt_ids), logprobs, top
         )
 
     async def load_adapter(self, name: str, path: Path) -> None:

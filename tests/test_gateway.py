@@ -337,6 +337,26 @@ def test_router_picks_the_adapter_for_agent_requests(client, gateway):
     assert raw.headers["x-trace-adapter"] == "beta@1"
 
 
+def test_the_router_is_swapped_by_spec_through_the_admin_api(client, gateway):
+    ensure_loaded(gateway, "alpha@1", "alpha/1")
+    original = httpx.get(f"{gateway.url}/v1/router").json()
+    assert original["kind"] == "keyword"
+    try:
+        swapped = httpx.post(f"{gateway.url}/v1/router", json={"kind": "static", "adapter": "alpha"})
+        assert swapped.status_code == 200 and swapped.json() == {"kind": "static", "adapter": "alpha"}
+        assert greedy(client, "support", "Where is my order?").model.startswith("alpha@")
+        missing = httpx.post(f"{gateway.url}/v1/router", json={"kind": "static", "adapter": "gamma"})
+        assert missing.status_code == 409 and "gamma" in missing.text
+        for bad in ({"kind": "neural"}, {"kind": "keyword"}, [1, 2]):
+            assert httpx.post(f"{gateway.url}/v1/router", json=bad).status_code == 400
+        assert httpx.post(f"{gateway.url}/v1/router", content=b"{nope").status_code == 400
+        assert (
+            httpx.get(f"{gateway.url}/v1/router").json()["adapter"] == "alpha"
+        )  # failed swaps changed nothing
+    finally:
+        assert httpx.post(f"{gateway.url}/v1/router", json=original).status_code == 200
+
+
 def test_hot_swap_under_load_drops_nothing_and_rolls_back(client, gateway):
     ensure_loaded(gateway, "alpha@1", "alpha/1")
 

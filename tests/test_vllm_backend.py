@@ -61,6 +61,20 @@ def test_same_tokens_through_the_vllm_backend(stack):
     assert fronted["choices"][0]["message"] == direct["choices"][0]["message"]
 
 
+async def test_top_logprobs_through_the_vllm_contract(stack):
+    """What the classifier router reads: the likeliest next tokens, as vLLM returns them."""
+    from trace_plugin.gateway.backend import SamplingParams
+
+    inner, _ = stack
+    backend = VLLMBackend(inner.url)
+    prompt = backend.render([{"role": "user", "content": "Reply with one letter: A or B?"}], None)
+    [completion] = await backend.generate(prompt, SamplingParams(max_tokens=1, top_logprobs=5), None)
+    [top] = completion.top_logprobs
+    assert len(top) == 5 and all(v <= 0 for v in top.values())
+    assert max(top, key=top.__getitem__) == completion.text  # greedy took the likeliest token
+    await backend.close()
+
+
 def test_runtime_lora_through_the_vllm_contract_and_hot_swap(stack):
     inner, outer = stack
     r = httpx.post(

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from trace_plugin.gateway.protocol import (
     LoadAdapterRequest,
     UnloadAdapterRequest,
 )
-from trace_plugin.gateway.routing import Router, StaticRouter
+from trace_plugin.gateway.routing import Router, RouterSpecError, StaticRouter, router_from_spec
 from trace_plugin.recorder import Recorder
 from trace_plugin.tool_calls import parse_completion
 from trace_plugin.tracer import Tracer
@@ -154,13 +154,15 @@ def create_app(
 
     # -- completions ---------------------------------------------------------------------
 
-    def select(model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
+    async def select(
+        model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> str | None:
         """The adapter name a request asks for, or that the router picks; None is the base."""
         if model in registry.listing():
             return model
         if model in {backend.model_id, config.agent, "default", *config.agent_aliases}:
             start = time.perf_counter()
-            choice = router.route(messages, tools)
+            choice = await app.state.router.route(messages, tools)
             app.state.routing_seconds += time.perf_counter() - start
             return choice if choice in registry.listing() else None
         raise GatewayError(404, f"model {model!r} does not exist", "invalid_request_error", "model_not_found")
@@ -185,7 +187,7 @@ def create_app(
         messages = [m.to_openai() for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         offered = tools if body.tool_choice != "none" else None
-        adapter = select(body.model, messages, offered)
+        adapter = await select(body.model, messages, offered)
         params = _sampling(body, body.max_completion_tokens or body.max_tokens)
         try:
             prompt = backend.render(messages, offered)
@@ -259,8 +261,8 @@ def create_app(
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if not prompts:
             raise GatewayError(400, "prompt must not be empty")
-        adapter = select(body.model, [{"role": "user", "content": prompts[0]}], None)
-        params = _sampling(body, body.max_tokens or 16)
+        adapter = await select(body.model, [{"role": "user", "content": prompts[0]}], None)
+        params = replace(_sampling(body, body.max_tokens or 16), top_logprobs=body.logprobs or 0)
         results: list[Completion] = []
         served = None
         for prompt in prompts:
@@ -323,6 +325,30 @@ def create_app(
     async def lora_adapters(request: Request) -> dict[str, Any]:
         check_admin(request)
         return registry.describe()
+
+    # -- the router version (ours; vLLM has no router) ------------------------------------
+
+    @app.get("/v1/router")
+    async def get_router(request: Request) -> dict[str, Any]:
+        check_admin(request)
+        return app.state.router.spec
+
+    @app.post("/v1/router")
+    async def set_router(request: Request) -> dict[str, Any]:
+        """Swap the router for the one a spec describes; its adapters must be loaded first."""
+        check_admin(request)
+        try:
+            spec = json.loads(await request.body())
+            new = router_from_spec(spec, backend)
+        except (json.JSONDecodeError, RouterSpecError, AttributeError) as exc:
+            raise GatewayError(400, f"bad router spec: {exc}") from exc
+        names = {spec.get("adapter"), spec.get("default")} | {e["adapter"] for e in spec.get("experts", [])}
+        names |= {adapter for _, adapter in spec.get("rules", [])}
+        missing = sorted(n for n in names - {None} if n not in registry.listing())
+        if missing:
+            raise GatewayError(409, f"router names adapters that are not loaded: {missing}")
+        app.state.router = new
+        return new.spec
 
     return app
 
@@ -398,7 +424,7 @@ def _legacy_logprobs(backend: Backend, completion: Completion) -> dict[str, Any]
     return {
         "tokens": [e["token"] for e in chat["content"]],
         "token_logprobs": [e["logprob"] for e in chat["content"]],
-        "top_logprobs": None,
+        "top_logprobs": completion.top_logprobs,
         "text_offset": None,
     }
 

@@ -22,6 +22,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     logprobs: bool = False
+    top_logprobs: int = 0  # also return this many most likely tokens at each position
 
 
 @dataclass(slots=True)
@@ -31,6 +32,7 @@ class Completion:
     finish_reason: Literal["stop", "length"]
     prompt_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[dict[str, float]] | None = None  # per position: token text -> logprob
 
 
 class BackendError(RuntimeError):

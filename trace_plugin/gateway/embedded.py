@@ -135,7 +135,7 @@ class EmbeddedBackend:
             "pad_token_id": self.tokenizer.pad_token_id,
             "eos_token_id": self._eos_id,
             "return_dict_in_generate": True,
-            "output_logits": params.logprobs,
+            "output_logits": params.logprobs or params.top_logprobs > 0,
         }
         if params.temperature > 0:
             kwargs.update(temperature=params.temperature, top_p=params.top_p)
@@ -165,10 +165,17 @@ class EmbeddedBackend:
         for stop in params.stop:
             if stop in text:
                 text, finish = text[: text.index(stop)], "stop"
-        logprobs = None
+        logprobs = top = None
         if params.logprobs:
             logprobs = [float(out.logits[i][row].log_softmax(-1)[token]) for i, token in enumerate(ids)]
-        return Completion(text, ids, finish, prompt_ids, logprobs)
+        if params.top_logprobs:
+            top = []
+            for i in range(len(ids)):
+                values, indices = out.logits[i][row].log_softmax(-1).topk(params.top_logprobs)
+                tokens = self.tokenizer.convert_ids_to_tokens(indices.tolist())
+                text_of = self.tokenizer.convert_tokens_to_string
+                top.append({text_of([t]): float(v) for t, v in zip(tokens, values, strict=True)})
+        return Completion(text, ids, finish, prompt_ids, logprobs, top)
 
     def _generate_group(self, requests: list[_Request], params: SamplingParams) -> list[list[Completion]]:
         prompts = [r.prompt for r in requests for _ in range(params.n)]

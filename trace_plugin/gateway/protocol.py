@@ -105,7 +105,8 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=5)  # legacy API: None is off, 0 the chosen tokens only
+    # legacy API: None is off, 0 the chosen tokens only, N also the N likeliest (vLLM allows 20)
+    logprobs: int | None = Field(None, ge=0, le=20)
 
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
