@@ -291,14 +291,41 @@ def mine(
     agent: Annotated[str, typer.Option(help="The agent whose episodes to mine.")],
     db: DbOption = None,
     limit: Annotated[int | None, typer.Option(help="Mine only the newest N episodes.")] = None,
+    llm: Annotated[
+        str | None,
+        typer.Option(
+            metavar="MODEL", help="Mine with this litellm model (e.g. gpt-4o-mini) instead of the detectors."
+        ),
+    ] = None,
+    runs: Annotated[
+        int | None, typer.Option(min=1, help="With --llm: labeling runs (default: the rule's N, 10).")
+    ] = None,
 ) -> None:
-    """Find the capabilities the agent lacks (offline detectors + TRACE's selection rule)."""
+    """Find the capabilities the agent lacks (offline detectors, or an LLM, + TRACE's selection rule)."""
     from trace_plugin.mining.miner import OfflineMiner
 
-    with console.status("labeling episodes and resampling…"):
-        capabilities = OfflineMiner(_store(db)).mine(agent, limit=limit)
+    if runs is not None and llm is None:
+        raise typer.BadParameter("--runs needs --llm", param_hint="--runs")
+    if llm is None:
+        with console.status("labeling episodes and resampling…"):
+            capabilities = OfflineMiner(_store(db)).mine(agent, limit=limit)
+    else:
+        from trace_plugin.mining.analyzer import LLMAnalyzer
+
+        analyzer = LLMAnalyzer(_store(db), llm, runs=runs)
+        with console.status(f"{llm} is proposing and labeling capabilities…"):
+            capabilities = analyzer.mine(agent, limit=limit)
+        s = analyzer.stats
+        problem = f"; last problem: {_short(s.last_problem)}" if s.last_problem else ""
+        console.print(
+            f"{llm}: {s.calls} calls, {s.retries} retries, "
+            f"{s.dropped} of {s.requests} questions dropped{problem}"
+        )
     if not capabilities:
-        console.print(f"[yellow]no finished episodes with an outcome for agent {agent!r}[/]")
+        usable = ", or no usable answers from the model" if llm else ""
+        console.print(
+            f"[yellow]no capabilities for agent {agent!r}: no finished episodes with an outcome{usable}[/]"
+        )
         raise typer.Exit(1)
     console.print(
         _capability_table(capabilities, f"Capabilities of {agent} (run {capabilities[0].mining_run})")
