@@ -97,6 +97,9 @@ def create_app(
 
     app = FastAPI(title="trace-plugin gateway", version="1", lifespan=lifespan)
     app.state.backend, app.state.registry, app.state.router = backend, registry, router
+    # Candidate routers, served under the model name "router:NAME" so that a deployment can be
+    # evaluated before it takes the live traffic.
+    app.state.candidates = {}
     app.state.routing_seconds = 0.0  # time spent in router.route, for the benchmark
 
     # -- errors in OpenAI's shape --------------------------------------------------------------
@@ -160,9 +163,15 @@ def create_app(
         """The adapter name a request asks for, or that the router picks; None is the base."""
         if model in registry.listing():
             return model
-        if model in {backend.model_id, config.agent, "default", *config.agent_aliases}:
+        routed = model in {backend.model_id, config.agent, "default", *config.agent_aliases}
+        candidate = (
+            app.state.candidates.get(model.removeprefix(ROUTER_PREFIX))
+            if model.startswith(ROUTER_PREFIX)
+            else None
+        )
+        if routed or candidate is not None:
             start = time.perf_counter()
-            choice = await app.state.router.route(messages, tools)
+            choice = await (candidate or app.state.router).route(messages, tools)
             app.state.routing_seconds += time.perf_counter() - start
             return choice if choice in registry.listing() else None
         raise GatewayError(404, f"model {model!r} does not exist", "invalid_request_error", "model_not_found")
@@ -329,13 +338,18 @@ def create_app(
     # -- the router version (ours; vLLM has no router) ------------------------------------
 
     @app.get("/v1/router")
-    async def get_router(request: Request) -> dict[str, Any]:
+    async def get_router(request: Request, name: str | None = None) -> dict[str, Any]:
         check_admin(request)
-        return app.state.router.spec
+        if name is None:
+            return app.state.router.spec
+        if name not in app.state.candidates:
+            raise GatewayError(404, f"no candidate router {name!r}")
+        return app.state.candidates[name].spec
 
     @app.post("/v1/router")
-    async def set_router(request: Request) -> dict[str, Any]:
-        """Swap the router for the one a spec describes; its adapters must be loaded first."""
+    async def set_router(request: Request, name: str | None = None) -> dict[str, Any]:
+        """Swap the live router for the one a spec describes, or with ``?name=`` add a
+        candidate served as model ``router:NAME``. Its adapters must be loaded first."""
         check_admin(request)
         try:
             spec = json.loads(await request.body())
@@ -347,13 +361,19 @@ def create_app(
         missing = sorted(n for n in names - {None} if n not in registry.listing())
         if missing:
             raise GatewayError(409, f"router names adapters that are not loaded: {missing}")
-        app.state.router = new
+        if name is None:
+            app.state.router = new
+        else:
+            app.state.candidates[name] = new
         return new.spec
 
     return app
 
 
 # -- helpers ---------------------------------------------------------------------------------
+
+
+ROUTER_PREFIX = "router:"
 
 
 def _error(
