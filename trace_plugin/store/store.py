@@ -15,15 +15,17 @@ from sqlalchemy import Engine, bindparam, case, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
+from trace_plugin.deployments import Deployment
 from trace_plugin.environments.spec import EnvSpec, SpecRecord
 from trace_plugin.experts import Expert
+from trace_plugin.jobs import Job
 from trace_plugin.mining.capability import Capability
 from trace_plugin.store import tables as t
 from trace_plugin.store.engine import JsonText, make_engine, resolve_url
 from trace_plugin.trajectory import Episode, EpisodeEnd, Feedback, Step, utcnow
 
 Record = Episode | Step | EpisodeEnd | Feedback
-_R = TypeVar("_R", Episode, Step, Feedback, Capability, Expert)
+_R = TypeVar("_R", Episode, Step, Feedback, Capability, Expert, Job, Deployment)
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 _UPGRADE_LOCK = threading.Lock()
@@ -349,12 +351,12 @@ class Store:
 
     def save_expert(self, expert: Expert) -> None:
         """Insert or update an expert record (status changes as training goes)."""
-        row = _to_row(expert, _EXPERT_COLUMNS)
-        with self.engine.begin() as conn:
-            conn.execute(self._insert_ignore(t.agents), [{"name": expert.agent, "created_at": utcnow()}])
-            updated = conn.execute(t.experts.update().where(t.experts.c.id == expert.id), row).rowcount
-            if not updated:
-                conn.execute(t.experts.insert(), row)
+        self._upsert(t.experts, expert.agent, {**_to_row(expert, _EXPERT_COLUMNS)})
+
+    def expert(self, expert_id: str) -> Expert | None:
+        with self._read_engine.connect() as conn:
+            row = conn.execute(select(t.experts).where(t.experts.c.id == expert_id)).mappings().first()
+        return None if row is None else _from_row(Expert, row, _EXPERT_COLUMNS)
 
     def experts(self, agent: str | None = None, *, status: str | None = None) -> list[Expert]:
         c = t.experts.c
@@ -365,6 +367,45 @@ class Store:
             query = query.where(c.status == status)
         with self._read_engine.connect() as conn:
             return [_from_row(Expert, r, _EXPERT_COLUMNS) for r in conn.execute(query).mappings()]
+
+    # -- the improver ---------------------------------------------------------------
+
+    def save_job(self, job: Job) -> None:
+        self._upsert(t.jobs, job.agent, {"id": job.id, **_to_row(job, _JOB_COLUMNS)})
+
+    def job(self, job_id: str) -> Job | None:
+        with self._read_engine.connect() as conn:
+            row = conn.execute(select(t.jobs).where(t.jobs.c.id == job_id)).mappings().first()
+        return None if row is None else _from_row(Job, row, _JOB_COLUMNS)
+
+    def jobs(self, agent: str, cycle: str | None = None) -> list[Job]:
+        c = t.jobs.c
+        query = select(t.jobs).where(c.agent == agent).order_by(c.started_at, c.id)
+        if cycle is not None:
+            query = query.where(c.cycle == cycle)
+        with self._read_engine.connect() as conn:
+            return [_from_row(Job, r, _JOB_COLUMNS) for r in conn.execute(query).mappings()]
+
+    def save_deployment(self, deployment: Deployment) -> None:
+        deployment.updated_at = utcnow()
+        self._upsert(t.deployments, deployment.agent, _to_row(deployment, _DEPLOYMENT_COLUMNS))
+
+    def deployments(self, agent: str, *, status: str | None = None) -> list[Deployment]:
+        """An agent's deployments, oldest first."""
+        c = t.deployments.c
+        query = select(t.deployments).where(c.agent == agent).order_by(c.created_at, c.id)
+        if status is not None:
+            query = query.where(c.status == status)
+        with self._read_engine.connect() as conn:
+            return [_from_row(Deployment, r, _DEPLOYMENT_COLUMNS) for r in conn.execute(query).mappings()]
+
+    def _upsert(self, table: t.Table, agent: str, row: dict[str, Any]) -> None:
+        """Update the row with this primary key, or insert it (the agent row first)."""
+        key = table.primary_key.columns.values()[0]
+        with self.engine.begin() as conn:
+            conn.execute(self._insert_ignore(t.agents), [{"name": agent, "created_at": utcnow()}])
+            if not conn.execute(table.update().where(key == row[key.name]), row).rowcount:
+                conn.execute(table.insert(), row)
 
     def count(self, table: str) -> int:
         with self._read_engine.connect() as conn:
@@ -435,6 +476,8 @@ _STEP_COLUMNS = _columns(t.steps, Step)
 _FEEDBACK_COLUMNS = _columns(t.feedback, Feedback)
 _CAPABILITY_COLUMNS = _columns(t.capabilities, Capability)
 _EXPERT_COLUMNS = _columns(t.experts, Expert)
+_JOB_COLUMNS = _columns(t.jobs, Job)
+_DEPLOYMENT_COLUMNS = _columns(t.deployments, Deployment)
 
 
 def _json_value(value: Any) -> str | None:
@@ -447,7 +490,7 @@ def _sqlite_datetime(value: datetime | None) -> str | None:
     )
 
 
-def _to_row(record: Record | Capability | Expert, columns: tuple[str, ...]) -> dict[str, Any]:
+def _to_row(record: Any, columns: tuple[str, ...]) -> dict[str, Any]:
     return {c: getattr(record, c) for c in columns}
 
 

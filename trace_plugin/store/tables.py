@@ -163,3 +163,44 @@ experts = Table(
     Column("created_at", Timestamp, nullable=False),
     Index("ix_experts_agent_capability", "agent", "capability"),
 )
+
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("id", String(200), primary_key=True),  # cycle/stage/key: one job per unit of work, ever
+    Column("agent", String(200), ForeignKey("agents.name"), nullable=False),
+    Column("cycle", String(64), nullable=False),
+    Column("stage", String(32), nullable=False),
+    Column("key", String(200), nullable=False),
+    Column("status", String(16), nullable=False),  # "running", "done" or "failed"
+    Column("attempts", Integer, nullable=False),
+    Column("inputs", Json, nullable=False),
+    Column("outputs", Json),
+    Column("error", Text),
+    Column("started_at", Timestamp, nullable=False),
+    Column("ended_at", Timestamp),
+    Index("ix_jobs_agent_cycle", "agent", "cycle"),
+)
+
+deployments = Table(
+    "deployments",
+    metadata,
+    Column("id", String(64), primary_key=True),  # the cycle that produced it
+    Column("agent", String(200), ForeignKey("agents.name"), nullable=False),
+    Column("status", String(16), nullable=False),  # "live", "rejected", "superseded", "rolled_back"
+    Column("adapters", Json, nullable=False),  # capability -> name@version
+    Column("router", Json, nullable=False),  # the router spec the gateway runs
+    Column("evaluation", Json, nullable=False),  # what the gate compared
+    Column("reasons", Json, nullable=False),  # why it was rejected or rolled back
+    Column("created_at", Timestamp, nullable=False),
+    Column("updated_at", Timestamp, nullable=False),
+    Index("ix_deployments_agent_created", "agent", "created_at"),
+)
+
+leases = Table(
+    "leases",
+    metadata,
+    Column("name", String(200), primary_key=True),
+    Column("owner", String(200), nullable=False),
+    Column("expires_at", Timestamp, nullable=False),
+)

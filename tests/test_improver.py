@@ -1,0 +1,145 @@
+"""The improver's parts: leases, persisted jobs, the gate, the router choice, monitoring."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+
+from trace_plugin.deployments import Deployment
+from trace_plugin.improver import Improver, ImproverConfig, gate, router_spec
+from trace_plugin.jobs import Job
+from trace_plugin.store import Store
+from trace_plugin.store.lease import Lease, LeaseHeld
+from trace_plugin.trajectory import Episode, EpisodeEnd, new_id, utcnow
+
+HOLD = """
+import sys, time
+from trace_plugin.store import Store
+from trace_plugin.store.lease import Lease
+Lease(Store(sys.argv[1]), "improver:a", ttl=1.0).acquire()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_one_holder_at_a_time_and_a_killed_holder_frees_the_lease(db_url):
+    store = Store(db_url)
+    store.upgrade()
+    child = subprocess.Popen([sys.executable, "-c", HOLD, db_url], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        with pytest.raises(LeaseHeld):
+            Lease(store, "improver:a", ttl=1.0).acquire()
+        other = Lease(store, "improver:b", ttl=1.0).acquire()  # other names are independent
+        other.release()
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        deadline = time.monotonic() + 10
+        while True:  # PostgreSQL frees it with the connection; SQLite once the lease lapses
+            try:
+                lease = Lease(store, "improver:a", ttl=1.0).acquire()
+                break
+            except LeaseHeld:
+                assert time.monotonic() < deadline, "the dead holder's lease never lapsed"
+                time.sleep(0.2)
+        time.sleep(1.5)  # a live holder keeps renewing: still held after its ttl
+        with pytest.raises(LeaseHeld):
+            Lease(store, "improver:a", ttl=1.0).acquire()
+        lease.release()
+        Lease(store, "improver:a").acquire().release()
+    finally:
+        child.kill()
+        store.close()
+
+
+def test_gate_accepts_only_a_clear_improvement_without_regressions():
+    capabilities = {"fmt": {"base": 0.1, "current": 0.1, "candidate": 0.6}}
+    better = {
+        "capabilities": capabilities,
+        "target": {"current": {"success": 0.25}, "candidate": {"success": 0.4}},
+    }
+    assert gate(better, margin=0.05, tolerance=0.05) == {"accept": True, "reasons": []}
+    same = {**better, "target": {"current": {"success": 0.25}, "candidate": {"success": 0.27}}}
+    verdict = gate(same, margin=0.05, tolerance=0.05)
+    assert not verdict["accept"] and "does not beat" in verdict["reasons"][0]
+    regress = {
+        "capabilities": {**capabilities, "refusal": {"base": 0.5, "current": 0.8, "candidate": 0.7}},
+        "target": better["target"],
+    }
+    verdict = gate(regress, margin=0.05, tolerance=0.05)
+    assert not verdict["accept"] and verdict["reasons"] == ["refusal regresses: 0.70 against the live 0.80"]
+    flat = {"capabilities": {"fmt": {"base": 0.3, "current": 0.3, "candidate": 0.3}}}
+    assert gate(flat, margin=0.0, tolerance=0.05)["reasons"] == [
+        "no capability improved on its held-out seeds"
+    ]
+
+
+def test_one_expert_takes_all_traffic_several_are_classified(sqlite_url):
+    store = Store(sqlite_url)
+    store.upgrade()
+    assert router_spec({"fmt": "fmt@abc"}, store, "a") == {"kind": "static", "adapter": "fmt"}
+    spec = router_spec({"fmt": "fmt@abc", "refusal": "refusal@def"}, store, "a")
+    assert spec["kind"] == "classifier" and [e["adapter"] for e in spec["experts"]] == ["fmt", "refusal"]
+
+
+def test_jobs_and_deployments_are_stored_once_per_id(db_url):
+    store = Store(db_url)
+    store.upgrade()
+    job = Job("a", "c1", "train", "fmt", inputs={"env": "fmt-env"})
+    store.save_job(job)
+    job.status, job.outputs, job.ended_at = "done", {"expert": "x"}, utcnow()
+    store.save_job(job)
+    [loaded] = store.jobs("a", "c1")
+    assert loaded.id == "c1/train/fmt" and loaded.outputs == {"expert": "x"} and loaded.seconds is not None
+    deployment = Deployment("c1", "a", "rejected", adapters={"fmt": "fmt@1"}, reasons=["worse"])
+    store.save_deployment(deployment)
+    deployment.status = "live"
+    store.save_deployment(deployment)
+    assert [(d.id, d.status) for d in store.deployments("a")] == [("c1", "live")]
+    store.close()
+
+
+def _episodes(store: Store, agent: str, successes: int, failures: int, start) -> None:
+    records = []
+    for i in range(successes + failures):
+        episode = Episode(new_id(), agent, source="test", started_at=start + timedelta(seconds=i))
+        ok = i < successes
+        label = "success" if ok else "failure"
+        records += [episode, EpisodeEnd(episode.id, "completed", reward=float(ok), label=label)]
+    store.write(records)
+
+
+def test_monitor_rolls_back_when_live_success_falls(sqlite_url, monkeypatch):
+    store = Store(sqlite_url)
+    store.upgrade()
+    start = utcnow() - timedelta(hours=2)
+    old = Deployment("c1", "a", "superseded", router={"kind": "static", "adapter": None}, created_at=start)
+    new = Deployment(
+        "c2", "a", "live", router={"kind": "static", "adapter": "fmt"}, created_at=start + timedelta(hours=1)
+    )
+    store.save_deployment(old)
+    store.save_deployment(new)
+    _episodes(store, "a", 8, 2, start + timedelta(minutes=1))  # 80% under the previous deployment
+    config = ImproverConfig("a", "http://127.0.0.1:9", store.url, monitor_window=10, rollback_drop=0.1)
+    improver = Improver(store, config)
+    routers = []
+
+    async def set_router(spec, *, name=None):
+        routers.append(spec)
+
+    monkeypatch.setattr(improver.gateway, "set_router", set_router)
+    _episodes(store, "a", 8, 2, start + timedelta(hours=1, minutes=1))  # as good as before
+    assert improver.monitor() is None and routers == []
+    _episodes(store, "a", 0, 10, start + timedelta(hours=1, minutes=5))  # now 0% over the window
+    restored = improver.monitor()
+    assert restored is not None and restored.id == "c1" and routers == [old.router]
+    statuses = {d.id: (d.status, d.reasons) for d in store.deployments("a")}
+    assert statuses["c1"][0] == "live" and statuses["c2"][0] == "rolled_back"
+    assert "fell below 0.80" in statuses["c2"][1][-1]
+    assert improver.monitor() is None  # nothing older to fall back to

@@ -1,0 +1,30 @@
+"""A deployment: the experts and router version an agent is served with, and why.
+
+Every improvement cycle that reaches the gate records one: ``rejected`` (with the gate's
+reasons) or ``live``. A new live deployment supersedes the previous one; a rollback marks
+it ``rolled_back`` and brings the previous one back. The gateway stamps the adapter
+version on every episode it serves, which is what monitoring compares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from trace_plugin.trajectory import utcnow
+
+DeploymentStatus = Literal["live", "rejected", "superseded", "rolled_back"]
+
+
+@dataclass(slots=True)
+class Deployment:
+    id: str  # the cycle that produced it ("baseline" for the base model)
+    agent: str
+    status: DeploymentStatus
+    adapters: dict[str, str] = field(default_factory=dict)  # capability -> name@version
+    router: dict[str, Any] = field(default_factory=dict)  # the router spec the gateway runs
+    evaluation: dict[str, Any] = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)
+    created_at: datetime = field(default_factory=utcnow)
+    updated_at: datetime = field(default_factory=utcnow)
