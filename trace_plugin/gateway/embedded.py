@@ -137,6 +137,8 @@ class EmbeddedBackend:
             "return_dict_in_generate": True,
             "output_logits": params.logprobs or params.top_logprobs > 0,
         }
+        if params.stop:  # stop generating there, not just cut the text afterwards
+            kwargs.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
         if params.temperature > 0:
             kwargs.update(temperature=params.temperature, top_p=params.top_p)
         else:  # greedy: silence sampling defaults from generation_config
