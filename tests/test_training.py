@@ -1,0 +1,337 @@
+"""Expert training: episodes rendered as the gateway renders them, hints, dynamic sampling,
+and real GRPO runs of SmolLM2 that produce adapters only when complete."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer, TrainerCallback
+
+from trace_plugin.chat_template import render
+from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall
+from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
+from trace_plugin.model_files import prepare_tokenizer, resolve_model
+from training.experts import (
+    ADAPTER_WEIGHTS,
+    EpisodePlayer,
+    ExpertTrainer,
+    ExpertTrainingConfig,
+    Rollouts,
+    evaluate,
+    file_sha256,
+    weights_sha256,
+)
+
+
+class EchoEnv:
+    """A minimal environment of the protocol: echo the seed back, then tell the user."""
+
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "echo",
+                "parameters": {"type": "object", "properties": {"text": {"type": "string"}}},
+            },
+        }
+    ]
+    system_prompt = "Echo the number, then say it."
+
+    def __init__(self) -> None:
+        self.seed, self.calls, self._done = 0, [], False
+
+    def reset(self, seed: int) -> Task:
+        self.seed, self.calls, self._done = seed, [], False
+        return Task(seed, f"My number is {seed}.", "echo", {"answer": f"number {seed}"})
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def step(self, call: ToolCall) -> str:
+        self.calls.append(call)
+        if call.name != "echo":
+            return json.dumps({"error": f"unknown tool {call.name!r}"})
+        return json.dumps({"echo": call.arguments.get("text", "")})
+
+    def reward(self, answer: str = "") -> RewardBreakdown:
+        echoed = any(c.arguments.get("text") == str(self.seed) for c in self.calls)
+        return RewardBreakdown(float(echoed and str(self.seed) in answer))
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return prepare_tokenizer(AutoTokenizer.from_pretrained(resolve_model(), local_files_only=True))
+
+
+def scripted(tokenizer: Any, reply: Any) -> Any:
+    """A generation backend answering ``reply(prompt_text) -> text`` (EOS added unless cut)."""
+    seen: list[str] = []
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        out = []
+        for ids in prompts:
+            text = tokenizer.decode(ids)
+            seen.append(text)
+            answer = reply(text)
+            tail = [] if answer.endswith("…") else [tokenizer.eos_token_id]
+            out.append(tokenizer(answer, add_special_tokens=False)["input_ids"] + tail)
+        return out
+
+    generate.seen = seen  # type: ignore[attr-defined]
+    return generate
+
+
+def echo_call(number: str) -> str:
+    return f'<tool_call>\n{{"name": "echo", "arguments": {{"text": "{number}"}}}}\n</tool_call>'
+
+
+def echo_policy(text: str) -> str:
+    """Echo the number from the ticket, then say it."""
+    if "<tool_response>" in text:
+        return "Your number " + text.split("My number is ")[1].split(".")[0] + " is echoed."
+    return echo_call(text.split("My number is ")[1].split(".")[0])
+
+
+def test_episodes_are_the_tokens_the_gateway_would_render(tokenizer):
+    player = EpisodePlayer(tokenizer, EchoEnv, max_turns=4, max_observation_chars=100)
+    generate = scripted(tokenizer, echo_policy)
+    [episode] = player.play([7], [None], generate)
+
+    assert episode.reward == 1.0 and episode.turns == 2 and episode.answer == "Your number 7 is echoed."
+    conversation = [
+        {"role": "system", "content": EchoEnv.system_prompt},
+        {"role": "user", "content": "My number is 7."},
+    ]
+    assert tokenizer.decode(episode.prompt_ids) == render(tokenizer, conversation, EchoEnv.tools)
+    conversation += [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "echo", "arguments": '{"text": "7"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c", "content": '{"echo": "7"}'},
+    ]
+    # The second turn was generated from exactly the gateway's rendering of the conversation so far.
+    assert generate.seen[1] == render(tokenizer, conversation, EchoEnv.tools)
+    assert tokenizer.decode(episode.prompt_ids + episode.completion_ids) == (
+        render(tokenizer, conversation, EchoEnv.tools) + "Your number 7 is echoed.<|im_end|>"
+    )
+    # Only the tool-result block is kept out of the loss.
+    masked = [t for t, m in zip(episode.completion_ids, episode.env_mask, strict=True) if m == 0]
+    block = '\n<|im_start|>user\n<tool_response>\n{"echo": "7"}\n</tool_response><|im_end|>\n'
+    assert tokenizer.decode(masked) == block + "<|im_start|>assistant\n"
+    assert len(episode.env_mask) == len(episode.completion_ids)
+
+
+def test_hinted_rollouts_generate_with_the_hint_but_keep_the_plain_prompt(tokenizer):
+    player = EpisodePlayer(tokenizer, EchoEnv, max_turns=3, max_observation_chars=100)
+    generate = scripted(tokenizer, echo_policy)
+    plain, hinted = player.play([3, 3], [None, "Echo 3 first."], generate)
+
+    assert hinted.hinted and not plain.hinted
+    assert hinted.prompt_ids == plain.prompt_ids
+    assert "Hint: Echo 3 first." not in tokenizer.decode(hinted.prompt_ids)
+    assert [("Hint: Echo 3 first." in text) for text in generate.seen] == [False, True, False, True]
+
+
+def test_turn_limit_truncation_and_long_observations(tokenizer):
+    calls = scripted(tokenizer, lambda text: echo_call("9" * 50))
+    player = EpisodePlayer(tokenizer, EchoEnv, max_turns=2, max_observation_chars=20)
+    [episode] = player.play([9], [None], calls)
+    # Out of turns after a tool call: no final message, and no tool block left dangling at the end.
+    assert episode.turns == 2 and episode.answer == "" and episode.reward == 0.0
+    assert episode.env_mask[-1] == 1
+    observation = tokenizer.decode(
+        [t for t, m in zip(episode.completion_ids, episode.env_mask, strict=True) if not m]
+    )
+    assert '{"echo": "9999999999…' in observation and "9" * 30 not in observation
+
+    cut = scripted(tokenizer, lambda text: echo_call("5")[:20] + "…")
+    [episode] = EpisodePlayer(tokenizer, EchoEnv, max_turns=3, max_observation_chars=20).play(
+        [5], [None], cut
+    )
+    assert episode.turns == 1 and episode.answer.startswith("<tool_call>")  # a cut-off call is not run
+
+
+def test_rollouts_resample_flat_groups_then_drop_them(tokenizer):
+    config = ExpertTrainingConfig(num_generations=2, rollout_budget=4, hint_fraction=0.5, resample_rounds=1)
+    player = EpisodePlayer(tokenizer, EchoEnv, max_turns=3, max_observation_chars=100)
+    # Only hinted rollouts solve a task, and only tasks with an even number get a hint.
+    policy = scripted(
+        tokenizer, lambda text: echo_policy(text) if "Hint:" in text or "<tool_response>" in text else "No."
+    )
+    hint = lambda task: "Echo it." if task.seed % 2 == 0 else None  # noqa: E731
+    rollouts = Rollouts(config, player, seeds=[1, 2, 3, 5, 7], hint=hint, generate=lambda trainer: policy)
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=0))
+
+    out = rollouts([json.dumps({"seed": 2})] * 2 + [json.dumps({"seed": 1})] * 2, trainer)
+    # Seed 2 has signal (hinted 1, plain 0); seed 1 is flat, replayed on an odd seed, still flat, dropped.
+    assert out["env_reward"] == [1.0, 0.0, 0.0, 0.0]
+    assert 1 in out["env_mask"][0]
+    # The dropped group comes back as stubs that weigh nothing in the loss and cost no compute.
+    assert out["env_mask"][2:] == [[0], [0]] and out["completion_ids"][2:] == [[tokenizer.eos_token_id]] * 2
+    assert [len(ids) for ids in out["prompt_ids"][2:]] == [1, 1]
+    assert out["logprobs"] is None and len(out["prompt_ids"]) == len(out["completion_ids"]) == 4
+    logged: dict[str, float] = {}
+    rewards = rollouts.env_reward([""] * 4, out["env_reward"], log_metric=logged.__setitem__)
+    assert rewards == out["env_reward"]
+    assert logged["dynamic_sampling/zero_signal_groups"] == 1
+    assert logged["dynamic_sampling/resampled_groups"] == 1
+    assert logged["dynamic_sampling/dropped_groups"] == 1
+    assert logged["episodes/hinted_fraction"] == 0.25 and logged["episodes/unhinted_reward"] == 0.0
+
+
+def test_resampling_finds_signal_on_a_fresh_seed(tokenizer):
+    config = ExpertTrainingConfig(num_generations=2, rollout_budget=4, hint_fraction=0.5, resample_rounds=3)
+    player = EpisodePlayer(tokenizer, EchoEnv, max_turns=3, max_observation_chars=100)
+    policy = scripted(
+        tokenizer, lambda text: echo_policy(text) if "Hint:" in text or "<tool_response>" in text else "No."
+    )
+    hint = lambda task: "Echo it." if task.seed == 4 else None  # noqa: E731
+    rollouts = Rollouts(config, player, seeds=[1, 4], hint=hint, generate=lambda trainer: policy)
+    out = rollouts([json.dumps({"seed": 1})] * 2, SimpleNamespace(state=SimpleNamespace(global_step=5)))
+    assert out["env_reward"] == [1.0, 0.0] and 1 in out["env_mask"][0]
+    assert "My number is 4." in tokenizer.decode(out["prompt_ids"][0])
+
+
+def test_presets_build_the_right_grpo_configs(tmp_path):
+    cpu = ExpertTrainingConfig.preset("cpu-small", output_dir=str(tmp_path / "e"))
+    args = cpu.grpo_config(tmp_path / "work")
+    assert cpu.steps == 50 and args.max_steps == 50
+    assert (args.num_generations, args.per_device_train_batch_size, args.gradient_accumulation_steps) == (
+        4,
+        4,
+        1,
+    )
+    assert args.beta == 0.0 and not args.use_vllm and not args.bf16 and not args.gradient_checkpointing
+    assert args.learning_rate == 3e-4 and args.save_steps == 10 and args.logging_steps == 1
+
+    gpu = ExpertTrainingConfig.preset("gpu")
+    assert gpu.backend == "vllm" and gpu.steps == 200
+    lora = gpu.lora_config()
+    assert (lora.r, lora.lora_alpha, lora.target_modules) == (16, 32, "all-linear")
+    # GRPOConfig itself refuses bf16 on a CPU: check the settings it would get.
+    gpu_args = gpu.grpo_kwargs(tmp_path / "work")
+    assert gpu_args["use_vllm"] and gpu_args["vllm_mode"] == "colocate" and gpu_args["bf16"]
+    assert gpu_args["activation_checkpointing"] and not gpu_args["vllm_importance_sampling_correction"]
+    assert gpu_args["per_device_train_batch_size"] * gpu_args["gradient_accumulation_steps"] == 64
+
+    assert ExpertTrainingConfig.preset("cpu-small", rollout_budget=8, num_generations=2).steps == 4
+    with pytest.raises(ValueError, match="unknown preset"):
+        ExpertTrainingConfig.preset("tpu")
+    with pytest.raises(ValueError, match="less than one step"):
+        ExpertTrainingConfig(rollout_budget=3)
+    with pytest.raises(ValueError, match="at least 2"):
+        ExpertTrainingConfig(num_generations=1)
+
+
+# -- real GRPO runs of SmolLM2 (tiny: 2 rollouts a step, a few tokens a turn) ---------------------------
+
+TINY = {
+    "num_generations": 2,
+    "rollout_budget": 4,  # two steps
+    "max_completion_length": 8,
+    "max_turns": 1,
+    "resample_rounds": 0,
+    "checkpoint_every": 1,
+}
+RETAIL_SEEDS = list(TRAIN_SEEDS)[:8]
+
+
+class Interrupted(Exception):
+    """What a crash or Ctrl-C does to a run: it stops wherever it is."""
+
+
+class InterruptAfterCheckpoint(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            raise Interrupted
+
+
+@pytest.fixture(scope="module")
+def retail_expert(tmp_path_factory):
+    """A run interrupted after its first checkpoint, then re-run to completion."""
+    final = tmp_path_factory.mktemp("experts") / "retail-expert"
+    config = ExpertTrainingConfig(output_dir=str(final), **TINY)
+    with pytest.raises(Interrupted):
+        ExpertTrainer(config, RetailEnv, RETAIL_SEEDS, callbacks=[InterruptAfterCheckpoint(1)]).train()
+    after_crash = {
+        "final_exists": final.exists(),
+        "checkpoints": sorted(p.name for p in final.parent.glob(f".{final.name}.partial/checkpoint-*")),
+    }
+    return config, after_crash, ExpertTrainer(config, RetailEnv, RETAIL_SEEDS, progress=False).train()
+
+
+@pytest.mark.slow
+def test_tiny_run_produces_a_loadable_adapter_with_its_hash(retail_expert):
+    from peft import PeftModel
+
+    from trace_plugin.model_files import load_model
+
+    config, _, result = retail_expert
+    assert result.adapter_dir == Path(config.output_dir) and result.steps == 2
+    assert len(result.reward_curve) == 2 and all(0.0 <= r <= 1.0 for r in result.reward_curve)
+    assert [log["step"] for log in result.logs] == [1.0, 2.0]
+    assert file_sha256(result.adapter_dir / ADAPTER_WEIGHTS) == result.adapter_sha256
+    assert result.base_model == resolve_model() and result.base_model_sha256 == weights_sha256(
+        resolve_model()
+    )
+    assert result.config == config.to_dict()
+    base, _ = load_model(result.base_model)
+    model = PeftModel.from_pretrained(base, str(result.adapter_dir))
+    assert model.peft_config["default"].r == config.lora_rank
+    assert any("q_proj.lora_A" in name for name, _ in model.named_parameters())
+    assert not list(result.adapter_dir.parent.glob(".*partial"))  # the work dir is gone
+
+
+@pytest.mark.slow
+def test_interrupted_run_leaves_no_adapter_and_a_rerun_resumes(retail_expert):
+    config, after_crash, result = retail_expert
+    assert after_crash == {"final_exists": False, "checkpoints": ["checkpoint-1"]}
+    assert result.resumed_from_step == 1 and len(result.reward_curve) == 2
+    # Once finished, a re-run returns the recorded expert instead of training again.
+    again = ExpertTrainer(config, RetailEnv, RETAIL_SEEDS, progress=False).train()
+    assert again == result
+
+
+@pytest.mark.slow
+def test_evaluate_plays_greedy_episodes_with_the_adapter(retail_expert):
+    config, _, result = retail_expert
+    seeds = [10_000, 10_001]
+    scores = evaluate(None, result.adapter_dir, RetailEnv, seeds, config=config)
+    assert sorted(scores.rewards) == seeds
+    assert 0.0 <= scores.success_rate <= scores.mean_reward <= 1.0
+    assert scores == evaluate(None, result.adapter_dir, RetailEnv, seeds, config=config)  # greedy: repeatable
+
+
+class ScoredEchoEnv(EchoEnv):
+    """EchoEnv graded by a deterministic score that tells any two answers apart: every group has signal."""
+
+    def reward(self, answer: str = "") -> RewardBreakdown:
+        return RewardBreakdown(int(hashlib.sha256(answer.encode()).hexdigest(), 16) % 1000 / 1000)
+
+
+@pytest.mark.slow
+def test_rewards_with_signal_move_the_adapter(tmp_path):
+    from safetensors.torch import load_file
+
+    config = ExpertTrainingConfig(
+        output_dir=str(tmp_path / "echo"), **{**TINY, "rollout_budget": 2, "hint_fraction": 0.5}
+    )
+    result = ExpertTrainer(config, ScoredEchoEnv, [1, 2, 3], hint="Echo the number.", progress=False).train()
+    [log] = result.logs
+    assert log["dynamic_sampling/zero_signal_groups"] == 0 and log["episodes/hinted_fraction"] == 0.5
+    weights = load_file(result.adapter_dir / ADAPTER_WEIGHTS)
+    # PEFT starts every lora_B at zero: a non-zero one means a gradient reached the adapter.
+    assert any(t.abs().sum() > 0 for name, t in weights.items() if "lora_B" in name)

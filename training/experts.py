@@ -1,0 +1,743 @@
+"""Capability experts: one LoRA adapter per capability, trained by GRPO in its environment.
+
+The trainer is TRL's ``GRPOTrainer`` with a PEFT LoRA; we supply only the rollouts. Of
+TRL's three ways to get them we use ``rollout_func``, because our environment protocol
+and the TRACE recipe need three things the other two cannot give:
+
+- ``environment_factory`` exposes an environment's *Python methods* as tools, renders
+  their schemas from docstrings, and conditions the loss on exactly the prompt it
+  generated from. Our environments offer OpenAI schemas and ``step(ToolCall)``; the
+  deployed gateway renders ``env.tools`` with ``TOOL_CHAT_TEMPLATE``, and training must
+  see the same tokens. Hints (below) need the generation prompt and the loss prompt to
+  differ, and dynamic sampling needs the episode rewards before the batch is handed back.
+- A single-decision formulation (one tool choice per prompt) would need a reward we
+  invent per step; ours is ``env.reward(answer).total``, a verifier of the whole episode.
+
+So :class:`EpisodePlayer` plays whole episodes, all rollouts of a batch in lockstep with
+one batched ``generate`` per turn, and the rollout function returns, per rollout, the
+un-hinted prompt ids, the completion ids (model turns and tool results interleaved) with
+an ``env_mask`` that keeps tool-result tokens out of the loss, and the episode reward for
+the reward function to pass through. TRL then computes the group advantages and the loss.
+
+Hints (TRACE): for ``hint_fraction`` of the rollouts, guidance text is appended to the
+user's ticket *for generation only*; the returned prompt ids are the un-hinted ones, so
+the log-probabilities and the gradient are those of the un-hinted policy. The hinted
+samples are treated as on-policy (no importance weight), which is what the paper does.
+
+Dynamic sampling: a group whose rewards are all equal has zero advantage in TRL (it
+normalizes per group), so it moves nothing but still dilutes the token-normalized
+``dapo`` loss. We replay such groups on fresh seeds up to ``resample_rounds`` times, and
+drop the ones still flat: TRL would give them zero advantage and, masked, zero weight, so
+they are handed back as one-token stubs that cost no forward/backward pass (a step whose
+groups are all flat then costs only its rollouts). Counts go to the step log.
+
+Heavy imports (torch, transformers, peft, trl) live here, never in ``trace_plugin``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import random
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from transformers import GenerationConfig, PrinterCallback, TrainerCallback
+
+from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE, render
+from trace_plugin.environments.base import Environment, Task, ToolCall
+from trace_plugin.model_files import load_model, resolve_model
+from trace_plugin.tool_calls import parse_completion
+
+Hint = str | Callable[[Task], str | None]
+# A generation backend: token-id prompts in, one list of completion ids (EOS included when
+# the model stopped) per prompt out.
+Generate = Callable[[list[list[int]]], list[list[int]]]
+
+RESULT_FILE = "expert.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class ExpertTrainingConfig:
+    """Everything that decides what an expert learns and what a run costs.
+
+    The defaults are the ``cpu-small`` preset: SmolLM2-135M on a few CPU cores.
+    """
+
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    # "all-linear" is every linear layer but the LM head (TRL cannot train a LoRA on it).
+    lora_target_modules: str | tuple[str, ...] = "all-linear"
+    learning_rate: float = 3e-4
+    num_generations: int = 4  # the GRPO group size: rollouts per task, compared with each other
+    groups_per_step: int = 1  # distinct tasks per optimizer step
+    rollout_budget: int = 200  # total rollouts; fixes the number of steps
+    max_completion_length: int = 64  # tokens the model may generate in one turn
+    max_turns: int = 6  # model turns per episode; the episode ends at the first turn without tool calls
+    # Tool results are cut to this many characters: prompt tokens dominate CPU cost.
+    max_observation_chars: int = 800
+    temperature: float = 1.0
+    hint_fraction: float = 0.25  # share of rollouts generated with the hint (when a hint is given)
+    resample_rounds: int = 1  # replays of zero-signal groups on fresh seeds, per step
+    checkpoint_every: int = 10  # steps between checkpoints a re-run resumes from
+    seed: int = 0
+    output_dir: str = "experts/expert"  # the final adapter directory
+    backend: Literal["transformers", "vllm"] = "transformers"  # who generates the rollouts
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    vllm_gpu_memory_utilization: float = 0.3  # colocated vLLM's share of GPU memory
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 2:
+            raise ValueError("num_generations must be at least 2: GRPO compares rollouts within a group")
+        if self.steps < 1:
+            raise ValueError(
+                f"rollout_budget {self.rollout_budget} is less than one step of "
+                f"{self.num_generations * self.groups_per_step} rollouts"
+            )
+        if not 0.0 <= self.hint_fraction <= 1.0:
+            raise ValueError("hint_fraction must be in [0, 1]")
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ExpertTrainingConfig:
+        """``cpu-small`` (the embedded SmolLM2 on this CPU) or ``gpu`` (vLLM colocated generation)."""
+        presets: dict[str, dict[str, Any]] = {
+            "cpu-small": {},
+            "gpu": {
+                "lora_rank": 16,
+                "lora_alpha": 32,
+                "learning_rate": 1e-4,
+                "num_generations": 8,
+                "groups_per_step": 8,
+                "rollout_budget": 64 * 200,
+                "max_completion_length": 256,
+                "max_turns": 10,
+                "max_observation_chars": 4000,
+                "checkpoint_every": 25,
+                "backend": "vllm",
+                "bf16": True,
+                "gradient_checkpointing": True,
+            },
+        }
+        if name not in presets:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
+        return cls(**{**presets[name], **overrides})
+
+    @property
+    def steps(self) -> int:
+        return self.rollout_budget // (self.num_generations * self.groups_per_step)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        if isinstance(data["lora_target_modules"], tuple):
+            data["lora_target_modules"] = list(data["lora_target_modules"])
+        return data
+
+    def lora_config(self) -> Any:
+        from peft import LoraConfig
+
+        targets = self.lora_target_modules
+        return LoraConfig(
+            r=self.lora_rank,
+            lora_alpha=self.lora_alpha,
+            target_modules=targets if isinstance(targets, str) else list(targets),
+            lora_dropout=0.0,  # generation and loss then see the same network
+            task_type="CAUSAL_LM",
+        )
+
+    def grpo_config(self, work_dir: Path) -> Any:
+        """TRL's ``GRPOConfig`` (which checks the hardware: a bf16 preset builds only where bf16 runs)."""
+        from trl import GRPOConfig
+
+        return GRPOConfig(**self.grpo_kwargs(work_dir))
+
+    def grpo_kwargs(self, work_dir: Path) -> dict[str, Any]:
+        """TRL's settings: one group per micro-batch, one generation round per optimizer step.
+
+        beta=0 needs no reference model (one forward pass less per step); ``dapo`` token
+        normalization and per-group reward scaling are TRL's defaults. With
+        ``steps_per_generation`` equal to the accumulation steps the rollouts are on-policy,
+        so TRL skips the old-log-prob pass.
+        """
+        vllm = self.backend == "vllm"
+        return dict(
+            output_dir=str(work_dir),
+            max_steps=self.steps,
+            per_device_train_batch_size=self.num_generations,
+            gradient_accumulation_steps=self.groups_per_step,
+            num_generations=self.num_generations,
+            max_completion_length=self.max_completion_length,
+            temperature=self.temperature,
+            top_p=1.0,
+            top_k=0,
+            learning_rate=self.learning_rate,
+            lr_scheduler_type="constant",
+            beta=0.0,
+            num_iterations=1,
+            loss_type="dapo",
+            scale_rewards="group",
+            bf16=self.bf16,
+            use_cpu=not torch.cuda.is_available(),  # also what lets bf16 autocast run on a CPU
+            activation_checkpointing=self.gradient_checkpointing,
+            seed=self.seed,
+            logging_steps=1,
+            save_strategy="steps",
+            save_steps=self.checkpoint_every,
+            save_total_limit=2,
+            report_to="none",
+            disable_tqdm=True,  # our own progress bar shows the reward
+            remove_unused_columns=False,
+            log_completions=False,
+            use_vllm=vllm,
+            vllm_mode="colocate",
+            vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization,
+            # Our rollouts return no sampling log-probs (hinted ones were sampled under another prompt).
+            vllm_importance_sampling_correction=False,
+        )
+
+
+# -- episodes -------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Episode:
+    """One rollout as the loss sees it, and what the environment made of it."""
+
+    seed: int
+    prompt_ids: list[int]  # the un-hinted prompt: what the loss conditions on
+    completion_ids: list[int] = field(default_factory=list)
+    env_mask: list[int] = field(default_factory=list)  # 1: model token, 0: tool-result token
+    answer: str = ""
+    reward: float = 0.0
+    hinted: bool = False
+    turns: int = 0
+
+
+class EpisodePlayer:
+    """Plays batches of episodes of any environment in lockstep, one ``generate`` per turn.
+
+    Prompts are rendered as the gateway renders them (``TOOL_CHAT_TEMPLATE`` with the
+    environment's own OpenAI tool schemas), so an expert is trained on the tokens it
+    will be served. Later turns are built by appending token ids (model output, then the
+    template's tool-response block), never by re-rendering: the loss must score exactly
+    the tokens that were sampled.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        env_factory: Callable[[], Environment],
+        *,
+        max_turns: int,
+        max_observation_chars: int,
+        examples: Sequence[dict[str, Any]] = (),
+    ) -> None:
+        self.tokenizer, self.env_factory = tokenizer, env_factory
+        self.max_turns, self.max_observation_chars = max_turns, max_observation_chars
+        self.examples = list(examples)  # few-shot messages placed after the system prompt
+        self.eos = tokenizer.eos_token_id
+        self._tool_head = self._template([{"role": "user", "content": "x"}, _DUMMY_CALL], False)
+
+    def play(self, seeds: Sequence[int], hints: Sequence[str | None], generate: Generate) -> list[Episode]:
+        envs = [self.env_factory() for _ in seeds]
+        episodes, contexts = [], []
+        for env, seed, hint in zip(envs, seeds, hints, strict=True):
+            task = env.reset(seed)
+            prompt_ids = self._prompt_ids(env, task.prompt)
+            episodes.append(Episode(seed, prompt_ids, hinted=hint is not None))
+            contexts.append(self._prompt_ids(env, f"{task.prompt}\n\nHint: {hint}") if hint else prompt_ids)
+        active = list(range(len(episodes)))
+        for turn in range(1, self.max_turns + 1):
+            if not active:
+                break
+            outputs = generate([contexts[i] + episodes[i].completion_ids for i in active])
+            still = []
+            for i, ids in zip(active, outputs, strict=True):
+                episode, env = episodes[i], envs[i]
+                episode.completion_ids += ids
+                episode.env_mask += [1] * len(ids)
+                episode.turns = turn
+                stopped = bool(ids) and ids[-1] == self.eos
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                parsed = parse_completion(text, truncated=not stopped)
+                if not (stopped and parsed.tool_calls):
+                    episode.answer = parsed.content or ""
+                    continue
+                observations = [self._observe(env, call) for call in parsed.tool_calls]
+                if env.done or turn == self.max_turns:
+                    continue  # ended by the environment, or out of turns: no final message
+                suffix = self.tokenizer(self._tool_suffix(observations), add_special_tokens=False)[
+                    "input_ids"
+                ]
+                episode.completion_ids += suffix
+                episode.env_mask += [0] * len(suffix)
+                still.append(i)
+            active = still
+        for episode, env in zip(episodes, envs, strict=True):
+            episode.reward = float(env.reward(episode.answer).total)
+        return episodes
+
+    def _prompt_ids(self, env: Environment, user: str) -> list[int]:
+        messages = [{"role": "system", "content": env.system_prompt}, *self.examples]
+        text = render(self.tokenizer, [*messages, {"role": "user", "content": user}], env.tools)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _observe(self, env: Environment, call: dict[str, Any]) -> str:
+        observation = env.step(ToolCall.from_openai(call))
+        if len(observation) > self.max_observation_chars:
+            observation = observation[: self.max_observation_chars] + "…"
+        return observation
+
+    def _tool_suffix(self, observations: list[str]) -> str:
+        """The template's text between an assistant turn's EOS and the next assistant turn."""
+        tools = [{"role": "tool", "content": o} for o in observations]
+        full = self._template([{"role": "user", "content": "x"}, _DUMMY_CALL, *tools], True)
+        end = self._tool_head.rindex(self.tokenizer.eos_token) + len(self.tokenizer.eos_token)
+        return full[end:]
+
+    def _template(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages,
+            chat_template=TOOL_CHAT_TEMPLATE,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+        )
+
+
+_DUMMY_CALL = {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {}}]}
+
+
+def hf_generate(
+    model: Any, tokenizer: Any, *, max_new_tokens: int, temperature: float | None, batch_size: int = 64
+) -> Generate:
+    """A transformers backend: left-padded batches; ``temperature=None`` decodes greedily."""
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **(sampling if temperature is not None else {"do_sample": False}),
+    )
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        out: list[list[int]] = []
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            with torch.no_grad():
+                result = model.generate(
+                    input_ids=ids.to(model.device),
+                    attention_mask=mask.to(model.device),
+                    generation_config=config,
+                )
+            out += [_until_eos(row[width:].tolist(), tokenizer.eos_token_id) for row in result]
+        return out
+
+    return generate
+
+
+def _until_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+def _vllm_generate(trainer: Any) -> Generate:
+    """TRL's colocated vLLM (weights already synced by TRL before each rollout call)."""
+    eos, limit = trainer.processing_class.eos_token_id, trainer.args.max_completion_length
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        _, completions, _, _ = trainer.vllm_generation.generate(
+            prompts=prompts, images=None, num_generations=1
+        )
+        # A stop on EOS must end with EOS, as it does with transformers, for the turn to count as finished.
+        return [
+            ids + [eos] if len(ids) < limit and eos not in ids else _until_eos(ids, eos)
+            for ids in completions
+        ]
+
+    return generate
+
+
+# -- the rollout function TRL calls ---------------------------------------------------------------
+
+
+class Rollouts:
+    """TRL's ``rollout_func`` and reward function for one environment.
+
+    Dataset rows only name a seed (``{"seed": 17}``); the conversation is built here.
+    """
+
+    def __init__(
+        self,
+        config: ExpertTrainingConfig,
+        player: EpisodePlayer,
+        seeds: Sequence[int],
+        hint: Hint | None,
+        generate: Callable[[Any], Generate],
+    ) -> None:
+        self.config, self.player, self.seeds, self.hint = config, player, list(seeds), hint
+        self.backend = generate  # trainer -> Generate
+        self._stats: dict[str, float] = {}
+        self._tasks: dict[int, Task] = {}
+
+    def __call__(self, prompts: list[str], trainer: Any) -> dict[str, Any]:
+        size, start = self.config.num_generations, time.monotonic()
+        rng = random.Random(f"{self.config.seed}/{trainer.state.global_step}")
+        generate = self.backend(trainer)
+        group_seeds = [json.loads(p)["seed"] for p in prompts[::size]]
+        groups = [self._play_group(seed, rng, generate) for seed in group_seeds]
+        flat = [i for i, g in enumerate(groups) if _flat(g)]
+        zero_signal, resampled = len(flat), 0
+        used = set(group_seeds)
+        fresh = [s for s in self.seeds if s not in used]
+        for _ in range(self.config.resample_rounds):
+            if not flat or not fresh:
+                break
+            retry = {i: self._play_group(fresh.pop(rng.randrange(len(fresh))), rng, generate) for i in flat}
+            resampled += len(retry)
+            for i, group in retry.items():
+                groups[i] = group
+            flat = [i for i in flat if _flat(groups[i])]
+        eos = self.player.eos
+        for i in flat:
+            # Still no signal: drop the group. It would add zero to the loss and, masked, zero to the
+            # normalizer, so it is replaced by a one-token stub that costs no forward/backward pass.
+            for episode in groups[i]:
+                episode.prompt_ids, episode.completion_ids, episode.env_mask = (
+                    episode.prompt_ids[-1:],
+                    [eos],
+                    [0],
+                )
+        episodes = [e for g in groups for e in g]
+        unhinted = [e.reward for e in episodes if not e.hinted]
+        self._stats = {
+            "episodes/success": sum(e.reward >= 1.0 for e in episodes) / len(episodes),
+            "episodes/unhinted_reward": sum(unhinted) / len(unhinted) if unhinted else math.nan,
+            "episodes/hinted_fraction": sum(e.hinted for e in episodes) / len(episodes),
+            "episodes/turns": sum(e.turns for e in episodes) / len(episodes),
+            "dynamic_sampling/zero_signal_groups": zero_signal,
+            "dynamic_sampling/resampled_groups": resampled,
+            "dynamic_sampling/dropped_groups": len(flat),
+            "timing/rollout_seconds": time.monotonic() - start,
+        }
+        return {
+            "prompt_ids": [e.prompt_ids for e in episodes],
+            "completion_ids": [e.completion_ids for e in episodes],
+            "logprobs": None,
+            "env_mask": [e.env_mask for e in episodes],
+            "env_reward": [e.reward for e in episodes],
+        }
+
+    def env_reward(
+        self, completions: list[Any], env_reward: list[float], log_metric: Any, **_: Any
+    ) -> list[float]:
+        """The environment's own verdict, computed during the rollout; also logs the batch stats."""
+        for name, value in self._stats.items():
+            if not math.isnan(value):
+                log_metric(name, float(value))
+        return list(env_reward)
+
+    def _play_group(self, seed: int, rng: random.Random, generate: Generate) -> list[Episode]:
+        size, hint = self.config.num_generations, None
+        if self.hint is not None:
+            hint = self.hint if isinstance(self.hint, str) else self.hint(self._task(seed))
+        # Stochastic rounding: exactly hint_fraction of the rollouts in expectation, hinted ones first.
+        hinted = int(self.config.hint_fraction * size + rng.random()) if hint else 0
+        return self.player.play([seed] * size, [hint] * hinted + [None] * (size - hinted), generate)
+
+    def _task(self, seed: int) -> Task:
+        if seed not in self._tasks:
+            self._tasks[seed] = self.player.env_factory().reset(seed)
+        return self._tasks[seed]
+
+
+def _flat(group: list[Episode]) -> bool:
+    return len({e.reward for e in group}) == 1
+
+
+# -- training ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExpertResult:
+    """A finished expert: the adapter on disk and how it was made."""
+
+    adapter_dir: Path
+    adapter_sha256: str  # of adapter_model.safetensors
+    reward_curve: list[float]  # mean episode reward per optimizer step
+    config: dict[str, Any]
+    base_model: Path
+    base_model_sha256: str  # of the base model's weight files
+    steps: int
+    logs: list[dict[str, float]]  # TRL's step logs (reward, loss, dynamic-sampling counts, ...)
+    resumed_from_step: int | None = None  # the checkpoint this run continued from
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["adapter_dir"], data["base_model"] = str(self.adapter_dir), str(self.base_model)
+        return json.dumps(data, indent=2)
+
+    @classmethod
+    def load(cls, adapter_dir: Path) -> ExpertResult:
+        data = json.loads((adapter_dir / RESULT_FILE).read_text())
+        data["adapter_dir"], data["base_model"] = Path(adapter_dir), Path(data["base_model"])
+        return cls(**data)
+
+
+class ExpertTrainer:
+    """GRPO with LoRA on one environment's training seeds; the adapter appears only when complete.
+
+    Work happens in ``.<name>.partial`` beside the final directory: TRL's checkpoints, then
+    the adapter, which is renamed into place (atomic on one filesystem) as the last act.
+    A re-run with the same output dir resumes from the last complete checkpoint written
+    under the same config, or restarts cleanly; once the final directory exists, a re-run
+    returns its recorded result.
+    """
+
+    def __init__(
+        self,
+        config: ExpertTrainingConfig,
+        env_factory: Callable[[], Environment],
+        seeds: Sequence[int],
+        *,
+        model: str | Path | None = None,
+        hint: Hint | None = None,
+        examples: Sequence[dict[str, Any]] = (),
+        progress: bool = True,
+        callbacks: Sequence[TrainerCallback] = (),
+        console: Console | None = None,
+    ) -> None:
+        if not seeds:
+            raise ValueError("no training seeds")
+        self.config, self.env_factory, self.seeds = config, env_factory, list(seeds)
+        self.model_dir = resolve_model(model)
+        self.hint, self.examples, self.progress = hint, list(examples), progress
+        self.callbacks = list(callbacks)
+        self.console = console or Console()
+        self.final_dir = Path(config.output_dir)
+        self.work_dir = self.final_dir.with_name(f".{self.final_dir.name}.partial")
+
+    def train(self) -> ExpertResult:
+        if (self.final_dir / RESULT_FILE).is_file():
+            return ExpertResult.load(self.final_dir)
+        if self.final_dir.exists():
+            raise FileExistsError(
+                f"{self.final_dir} exists and is not a finished expert; remove it or choose another"
+            )
+        checkpoint = self._resumable_checkpoint()
+        trainer = self._build()
+        bar = _ProgressBar(self.console, self.config.steps) if self.progress else None
+        if bar is not None:
+            trainer.add_callback(bar)
+        with bar or nullcontext():
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        return self._publish(trainer, checkpoint)
+
+    def _resumable_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint of a run with this very config; otherwise a clean slate."""
+        stamp = self.work_dir / "config.json"
+        wanted = json.dumps({"config": self.config.to_dict(), "seeds": self.seeds}, sort_keys=True)
+        if self.work_dir.exists() and (not stamp.is_file() or stamp.read_text() != wanted):
+            shutil.rmtree(self.work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(wanted)
+        # trainer_state.json is the last file a checkpoint save writes.
+        complete = [c for c in self.work_dir.glob("checkpoint-*") if (c / "trainer_state.json").is_file()]
+        for partial in set(self.work_dir.glob("checkpoint-*")) - set(complete):
+            shutil.rmtree(partial)
+        return max(complete, key=lambda c: int(c.name.rsplit("-", 1)[1]), default=None)
+
+    def _build(self) -> Any:
+        from datasets import Dataset
+        from trl import GRPOTrainer
+
+        config = self.config
+        model, tokenizer = load_model(self.model_dir)
+        player = EpisodePlayer(
+            tokenizer,
+            self.env_factory,
+            max_turns=config.max_turns,
+            max_observation_chars=config.max_observation_chars,
+            examples=self.examples,
+        )
+
+        def backend(trainer: Any) -> Generate:
+            if config.backend == "vllm":
+                return _vllm_generate(trainer)
+            return hf_generate(
+                trainer.accelerator.unwrap_model(trainer.model),
+                tokenizer,
+                max_new_tokens=config.max_completion_length,
+                temperature=config.temperature,
+            )
+
+        rollouts = Rollouts(config, player, self.seeds, self.hint, backend)
+        # Prompts are plain strings naming a seed: no chat-format schema for datasets to merge.
+        dataset = Dataset.from_dict({"prompt": [json.dumps({"seed": s}) for s in self.seeds]})
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*rollout_func.*experimental")
+            trainer = GRPOTrainer(
+                model=model,
+                reward_funcs=rollouts.env_reward,
+                args=config.grpo_config(self.work_dir),
+                train_dataset=dataset,
+                processing_class=tokenizer,
+                peft_config=config.lora_config(),
+                rollout_func=rollouts,
+                callbacks=self.callbacks,
+            )
+        trainer.remove_callback(PrinterCallback)  # raw log dicts; the progress bar prints a readable line
+        return trainer
+
+    def _publish(self, trainer: Any, checkpoint: Path | None) -> ExpertResult:
+        staging = self.work_dir / "adapter"
+        if staging.exists():
+            shutil.rmtree(staging)
+        trainer.model.save_pretrained(staging)
+        logs = [
+            {k: float(v) for k, v in entry.items() if isinstance(v, int | float)}
+            for entry in trainer.state.log_history
+            if "reward" in entry
+        ]
+        result = ExpertResult(
+            adapter_dir=self.final_dir,
+            adapter_sha256=file_sha256(staging / ADAPTER_WEIGHTS),
+            reward_curve=[entry["reward"] for entry in logs],
+            config=self.config.to_dict(),
+            base_model=self.model_dir,
+            base_model_sha256=weights_sha256(self.model_dir),
+            steps=trainer.state.global_step,
+            logs=logs,
+            resumed_from_step=int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint else None,
+        )
+        (staging / RESULT_FILE).write_text(result.to_json())
+        self.final_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging.rename(self.final_dir)
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+        return result
+
+
+class _ProgressBar(TrainerCallback):
+    """A rich bar with the step's mean reward, and one log line per step."""
+
+    def __init__(self, console: Console, total: int) -> None:
+        columns = (
+            TextColumn("GRPO"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("reward {task.fields[reward]}"),
+            TimeElapsedColumn(),
+        )
+        self.progress = Progress(*columns, console=console)
+        self.task = self.progress.add_task("train", total=total, reward="-")
+        self._start = time.monotonic()
+
+    def __enter__(self) -> _ProgressBar:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.progress.update(self.task, completed=state.global_step)
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
+    ) -> None:
+        if not logs or "reward" not in logs:
+            return
+        elapsed, self._start = time.monotonic() - self._start, time.monotonic()
+        self.progress.update(self.task, completed=state.global_step, reward=f"{logs['reward']:.2f}")
+        unhinted = logs.get("episodes/unhinted_reward")
+        self.progress.console.log(
+            f"step {state.global_step}/{state.max_steps}  reward {logs['reward']:.3f}"
+            + (f"  unhinted {unhinted:.3f}" if unhinted is not None else "")
+            + f"  success {logs.get('episodes/success', 0.0):.2f}"
+            + f"  zero-signal groups {logs.get('dynamic_sampling/zero_signal_groups', 0):.0f}"
+            + f" (resampled {logs.get('dynamic_sampling/resampled_groups', 0):.0f},"
+            + f" dropped {logs.get('dynamic_sampling/dropped_groups', 0):.0f})"
+            + f"  {elapsed:.1f}s"
+        )
+
+
+# -- evaluation and hashes --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    mean_reward: float
+    success_rate: float  # share of episodes with reward 1
+    rewards: dict[int, float]  # per seed
+
+
+def evaluate(
+    model_dir: str | Path | None,
+    adapter_dir: str | Path | None,
+    env_factory: Callable[[], Environment],
+    seeds: Sequence[int],
+    *,
+    config: ExpertTrainingConfig | None = None,
+    examples: Sequence[dict[str, Any]] = (),
+    batch_size: int = 16,
+) -> EvalResult:
+    """Greedy episodes with training's rendering and limits (turns, tokens per turn, tool results)."""
+    config = config or ExpertTrainingConfig()
+    model, tokenizer = load_model(model_dir)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter_dir))
+    if torch.cuda.is_available():
+        model = model.to("cuda")
+    model.eval()
+    player = EpisodePlayer(
+        tokenizer,
+        env_factory,
+        max_turns=config.max_turns,
+        max_observation_chars=config.max_observation_chars,
+        examples=examples,
+    )
+    generate = hf_generate(
+        model, tokenizer, max_new_tokens=config.max_completion_length, temperature=None, batch_size=batch_size
+    )
+    seeds = list(seeds)
+    rewards: dict[int, float] = {}
+    for start in range(0, len(seeds), batch_size):
+        chunk = seeds[start : start + batch_size]
+        for episode in player.play(chunk, [None] * len(chunk), generate):
+            rewards[episode.seed] = episode.reward
+    n = max(len(rewards), 1)
+    return EvalResult(sum(rewards.values()) / n, sum(r >= 1.0 for r in rewards.values()) / n, rewards)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def weights_sha256(model_dir: Path) -> str:
+    """A content hash of a model directory's weight files (names and bytes), for provenance."""
+    digest = hashlib.sha256()
+    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
+    if not files:
+        raise FileNotFoundError(f"no weight files in {model_dir}")
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + file_sha256(path).encode())
+    return digest.hexdigest()
