@@ -532,3 +532,69 @@ def dashboard(
     application = create_dashboard(_store(db))
     console.print(f"dashboard at http://{host}:{port}/ (read-only)")
     uvicorn.run(application, host=host, port=port, log_level="info")
+
+
+@app.command("demo")
+def demo(
+    quick: Annotated[bool, typer.Option("--quick", help="The small preset (about 15 minutes here).")] = False,
+    out: Annotated[Path | None, typer.Option(help="Where to write demo.md, demo.png and demo.json.")] = None,
+) -> None:
+    """The whole loop on the embedded model: before, traffic, improve, hot-swap, after."""
+    from trace_plugin.demo import main
+
+    main("quick" if quick else "default", out=out)
+
+
+@app.command("improve")
+def improve(
+    agent: Annotated[str, typer.Option(help="The agent to improve.")],
+    gateway_url: Annotated[str, typer.Option(help="The gateway serving the agent (no /v1).")],
+    adapter_root: Annotated[Path, typer.Option(help="The gateway's adapter root; experts are written here.")],
+    watch: Annotated[bool, typer.Option("--watch/--once", help="Keep monitoring and improving.")] = False,
+    target: Annotated[str | None, typer.Option(help="A target environment for held-out evaluation.")] = None,
+    target_tasks: Annotated[int, typer.Option(help="How many of its test tasks to evaluate on.")] = 32,
+    rollouts: Annotated[int, typer.Option(help="GRPO rollout budget per expert.")] = 200,
+    preset: Annotated[str, typer.Option(help="cpu-small or gpu")] = "cpu-small",
+    ray: Annotated[str | None, typer.Option(help="Train on this Ray cluster ('auto' or an address).")] = None,
+    min_new_episodes: Annotated[
+        int, typer.Option(help="Trigger: labeled episodes since the last cycle.")
+    ] = 50,
+    admin_token: Annotated[str | None, typer.Option(envvar="TRACE_PLUGIN_ADMIN_TOKEN")] = None,
+    db: DbOption = None,
+) -> None:
+    """Mine, synthesize, train, gate and deploy, once or continuously (one improver per agent)."""
+    from trace_plugin.improver import Improver, ImproverConfig
+    from trace_plugin.recorder import configure
+    from trace_plugin.store.lease import LeaseHeld
+
+    seeds: list[int] = []
+    if target == "retail":
+        from trace_plugin.environments.retail import TEST_SEEDS
+
+        seeds = list(TEST_SEEDS)[:target_tasks]
+    executor = None
+    if ray:
+        from training.executors import RayExecutor
+
+        executor = RayExecutor(None if ray == "auto" else ray)
+    config = ImproverConfig(
+        agent=agent,
+        gateway_url=gateway_url,
+        adapter_root=adapter_root,
+        admin_token=admin_token,
+        target=target,
+        target_seeds=seeds,
+        min_new_episodes=min_new_episodes,
+        preset=preset,
+        training={"rollout_budget": rollouts},
+    )
+    improver = Improver(_store(db), config, executor=executor, recorder=configure(db), console=console)
+    try:
+        if watch:
+            improver.watch()
+        else:
+            deployment = improver.run_once()
+            console.print(f"deployed {deployment.id}" if deployment else "nothing deployed this cycle")
+    except LeaseHeld as exc:
+        console.print(f"[red]{exc}: another improver is running for {agent!r}[/]")
+        raise typer.Exit(3) from None

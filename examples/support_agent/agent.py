@@ -103,7 +103,15 @@ def environment_tools(env: Environment) -> list[StructuredTool]:
 
 @trace_plugin.capture(agent="support-agent")
 def build_support_agent(env: Environment, *, base_url: str, model: str, max_tokens: int = 160):
-    llm = ChatOpenAI(base_url=base_url, api_key="unused", model=model, temperature=0, max_tokens=max_tokens)
+    # A small model goes on to invent the tool's answer after its call: stop it there.
+    llm = ChatOpenAI(
+        base_url=base_url,
+        api_key="unused",
+        model=model,
+        temperature=0,
+        max_tokens=max_tokens,
+        stop=["<tool_response>"],
+    )
     return create_agent(llm, environment_tools(env), system_prompt=env.system_prompt)
 
 

@@ -216,23 +216,27 @@ def worked_hint(spec: EnvSpec) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """What production traffic shows of the target: its tools, system prompt and values."""
+    """What production traffic shows of the target: its tools, system prompt, values, and
+    the few-shot examples the agent puts before every request (experts train behind them)."""
 
     tools: list[dict[str, Any]]
     system_prompt: str
     observations: Observations
+    examples: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_store(cls, store: Store, agent: str, *, limit: int = 500) -> Target:
         episodes = store.load_episodes(agent, limit=limit)
-        prompts = Counter(
-            content_text(m.get("content"))
+        conversations = [
+            s.input["messages"]
             for e in episodes
-            for s in e.steps
-            if s.kind == "llm" and isinstance(s.input, dict)
-            for m in s.input.get("messages", [])[:1]
-            if isinstance(m, dict) and m.get("role") == "system"
+            for s in [s for s in e.steps if s.kind == "llm"][-1:]
+            if isinstance(s.input, dict) and isinstance(s.input.get("messages"), list)
+        ]
+        prompts = Counter(
+            content_text(m[0].get("content")) for m in conversations if m and m[0].get("role") == "system"
         )
+        contexts = Counter(json.dumps(_context(m)) for m in conversations)
         calls = [
             (s.input if isinstance(s.input, dict) else {}, _parsed(s.output))
             for e in episodes
@@ -240,7 +244,15 @@ class Target:
             if s.kind == "tool" and s.error is None
         ]
         system_prompt = prompts.most_common(1)[0][0] if prompts else "You are a helpful assistant with tools."
-        return cls(store.tool_schemas(agent), system_prompt, Observations.from_calls(calls))
+        examples = json.loads(contexts.most_common(1)[0][0]) if contexts else []
+        return cls(store.tool_schemas(agent), system_prompt, Observations.from_calls(calls), examples)
+
+
+def _context(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages between the system prompt and the request (the last user message)."""
+    users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
+    start = 1 if messages and messages[0].get("role") == "system" else 0
+    return messages[start : users[-1]] if users else []
 
 
 def _parsed(value: Any) -> Any:

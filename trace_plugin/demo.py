@@ -1,0 +1,324 @@
+"""``trace-plugin demo``: the whole loop on this machine, with the embedded model.
+
+1. start the gateway (the embedded SmolLM2-135M, runtime LoRA, routing);
+2. run the example LangGraph support agent (the one-line decorator) on the retail test
+   split: the "before" number;
+3. run it on the train split: production traffic, captured with its rewards;
+4. improve: mine, synthesize and validate, train, gate, hot-swap into the running gateway;
+5. run the same agent on the same test tasks again;
+6. print before/after per task kind and per capability; write a markdown report and a plot.
+
+Test runs are recorded as agent ``eval:support-agent`` so they never feed mining.
+Every number is measured in this run; nothing is fixed in advance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+import trace_plugin
+from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv
+from trace_plugin.environments.runner import EpisodeResult, LangGraphAgent, Runner, summarize
+from trace_plugin.improver import Improver, ImproverConfig, _summary
+from trace_plugin.store import Store, data_dir
+
+AGENT = "support-agent"
+EVAL_AGENT = f"eval:{AGENT}"
+
+
+@dataclass(frozen=True)
+class Preset:
+    test_tasks: int  # retail test tasks, the same ones before and after
+    traffic_tasks: int  # retail train tasks played as production traffic
+    rollouts: int  # GRPO rollout budget per expert
+    max_experts: int
+    calibration_seeds: int
+    calibration_samples: int
+    eval_seeds: int  # held-out seeds per synthesized environment
+
+
+PRESETS = {
+    "quick": Preset(16, 24, 32, 1, 4, 2, 8),
+    "default": Preset(48, 96, 128, 2, 8, 4, 16),
+}
+
+
+def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | None = None) -> dict[str, Any]:
+    preset = PRESETS[preset_name]
+    console = Console()
+    home = home or data_dir() / "demo"
+    if home.exists():
+        shutil.rmtree(home)  # every demo starts from an empty store and no experts
+    (home / "adapters").mkdir(parents=True)
+    out = out or home
+    started = time.monotonic()
+    db = f"sqlite:///{home / 'trace.db'}"
+    store = Store(db)
+    store.upgrade()
+    recorder = trace_plugin.configure(db)
+    support = _support_agent_module()
+
+    from trace_plugin.gateway.app import GatewayConfig, create_app
+    from trace_plugin.gateway.embedded import EmbeddedBackend
+    from trace_plugin.gateway.server import start_in_thread
+
+    console.rule("[bold]1. gateway")
+    with console.status("loading SmolLM2-135M…"):
+        backend = EmbeddedBackend(max_batch=16)
+    config = GatewayConfig(adapter_root=home / "adapters", agent=AGENT, record=False)
+    server = start_in_thread(create_app(backend, config=config))
+    base_url = f"{server.url}/v1"
+    console.print(f"gateway at {base_url}, model {backend.model_id}")
+
+    def agent(model: str, *, evaluation: bool) -> LangGraphAgent:
+        def build(env: Any) -> Any:
+            if not evaluation:  # the agent exactly as deployed: decorated, recording as support-agent
+                return support.build_support_agent(env, base_url=base_url, model=model)
+            graph = support.build_support_agent.__wrapped__(env, base_url=base_url, model=model)
+            return trace_plugin.capture(agent=EVAL_AGENT, recorder=recorder)(graph)
+
+        return LangGraphAgent(build, examples=support.few_shot_messages())
+
+    async def evaluate(model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
+        runner = Runner(
+            RetailEnv, agent(model, evaluation=True), concurrency=16, recorder=recorder, console=console
+        )
+        return await runner.run(seeds, description=f"test tasks as {model}")
+
+    test = list(TEST_SEEDS)[: preset.test_tasks]
+    improver = Improver(
+        store,
+        ImproverConfig(
+            agent=AGENT,
+            gateway_url=server.url,
+            adapter_root=home / "adapters",
+            target="retail",
+            target_seeds=test,
+            min_new_episodes=0,
+            max_experts=preset.max_experts,
+            calibration_seeds=preset.calibration_seeds,
+            calibration_samples=preset.calibration_samples,
+            training={"rollout_budget": preset.rollouts},
+            eval_seeds=preset.eval_seeds,
+        ),
+        evaluator=evaluate,
+        recorder=recorder,
+        console=console,
+    )
+    timings: dict[str, float] = {}
+    try:
+        console.rule("[bold]2. before: the support agent on the test split")
+        mark = time.monotonic()
+        before = asyncio.run(improver.evaluate_live())
+        timings["before"] = time.monotonic() - mark
+
+        console.rule("[bold]3. production traffic: the train split")
+        mark = time.monotonic()
+        traffic = Runner(
+            RetailEnv, agent("default", evaluation=False), concurrency=16, recorder=recorder, console=console
+        )
+        traffic_results = asyncio.run(
+            traffic.run(list(TRAIN_SEEDS)[: preset.traffic_tasks], description="traffic")
+        )
+        console.print(summarize(traffic_results, "Captured traffic"))
+        recorder.flush(30)
+        timings["traffic"] = time.monotonic() - mark
+
+        console.rule("[bold]4. improve: mine, synthesize, train, gate, deploy")
+        mark = time.monotonic()
+        deployment = improver.run_once()
+        timings["improve"] = time.monotonic() - mark
+
+        console.rule("[bold]5. after: the same agent, same test tasks")
+        mark = time.monotonic()
+        after = _summary(asyncio.run(evaluate("default", test)))
+        timings["after"] = time.monotonic() - mark
+    finally:
+        server.stop()
+        recorder.flush(30)
+
+    report = {
+        "preset": preset_name,
+        "settings": asdict(preset),
+        "model": backend.model_id,
+        "before": _strip(before),
+        "after": _strip(after),
+        "traffic_success": sum(r.reward.total >= 1 for r in traffic_results) / len(traffic_results),
+        "capabilities": [
+            {
+                "name": c.name,
+                "selected": c.selected,
+                **{k: c.metrics[k] for k in ("coverage", "contrast", "selected_by")},
+            }
+            for c in store.capabilities(AGENT)
+        ],
+        "environments": [
+            {"name": r.spec.name, "version": r.version, "status": r.status, "report": r.report}
+            for r in store.env_specs(AGENT)
+        ],
+        "experts": [
+            {"id": e.id, "capability": e.capability, "status": e.status, "reward_curve": e.reward_curve}
+            for e in store.experts(AGENT)
+        ],
+        "deployment": None if deployment is None else {"id": deployment.id, "adapters": deployment.adapters},
+        "decisions": [
+            asdict(d) | {"created_at": str(d.created_at), "updated_at": str(d.updated_at)}
+            for d in store.deployments(AGENT)
+        ],
+        "seconds": {k: round(v, 1) for k, v in timings.items()}
+        | {"total": round(time.monotonic() - started, 1)},
+    }
+    _print(console, report)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "demo.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "demo.md").write_text(markdown(report))
+    plot(report, out / "demo.png")
+    console.print(f"report: {out / 'demo.md'}, plot: {out / 'demo.png'}")
+    return report
+
+
+def _support_agent_module() -> Any:
+    """The example agent lives in the source checkout's ``examples/``, not in the package."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "examples" / "support_agent" / "agent.py").is_file():
+        raise SystemExit("the demo runs from a source checkout (it uses examples/support_agent)")
+    sys.path.insert(0, str(root))
+    from examples.support_agent import agent
+
+    return agent
+
+
+def _strip(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in summary.items() if k != "episodes"}
+
+
+def _print(console: Console, report: dict[str, Any]) -> None:
+    before, after = report["before"], report["after"]
+    table = Table(title=f"Support agent on {before['n']} retail test tasks ({report['model']})")
+    for column in ("task kind", "before", "after", "change"):
+        table.add_column(column, justify="left" if column == "task kind" else "right")
+    for kind in sorted(before["by_kind"]):
+        b, a = before["by_kind"][kind], after["by_kind"].get(kind, 0.0)
+        table.add_row(kind, f"{b:.2f}", f"{a:.2f}", f"{a - b:+.2f}")
+    table.add_row(
+        "[bold]success rate",
+        f"{before['success']:.2f}",
+        f"{after['success']:.2f}",
+        f"{after['success'] - before['success']:+.2f}",
+    )
+    console.print(table)
+    experts = Table(title="Capabilities")
+    for column in (
+        "capability",
+        "selected",
+        "coverage",
+        "contrast Δ",
+        "environment",
+        "expert reward (first → last)",
+    ):
+        experts.add_column(column)
+    envs = {e["name"].removesuffix("-env"): e for e in report["environments"]}
+    curves = {e["capability"]: e["reward_curve"] for e in report["experts"]}
+    for c in report["capabilities"]:
+        env = envs.get(c["name"])
+        curve = curves.get(c["name"]) or []
+        experts.add_row(
+            c["name"],
+            c["selected_by"] or "—",
+            f"{c['coverage']:.2f}",
+            f"{c['contrast']:+.2f}",
+            f"{env['status']}" if env else "—",
+            f"{curve[0]:.2f} → {curve[-1]:.2f}" if curve else "—",
+        )
+    console.print(experts)
+    for d in report["decisions"]:
+        console.print(f"deployment {d['id']}: {d['status']} {'; '.join(d['reasons'])}")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    before, after = report["before"], report["after"]
+    lines = [
+        f"# trace-plugin demo ({report['preset']})",
+        "",
+        f"Model: {report['model']}. Every number below was measured in this run "
+        f"({report['seconds']['total'] / 60:.1f} minutes).",
+        "",
+        "| task kind | before | after |",
+        "|---|---:|---:|",
+        *(
+            f"| {k} | {before['by_kind'][k]:.2f} | {after['by_kind'].get(k, 0.0):.2f} |"
+            for k in sorted(before["by_kind"])
+        ),
+        f"| **success rate** ({before['n']} tasks) | **{before['success']:.2f}** "
+        f"| **{after['success']:.2f}** |",
+        "",
+        "## Capabilities",
+        "",
+        "| capability | selected | coverage | contrast Δ |",
+        "|---|---|---:|---:|",
+        *(
+            f"| {c['name']} | {c['selected_by'] or '—'} | {c['coverage']:.2f} | {c['contrast']:+.2f} |"
+            for c in report["capabilities"]
+        ),
+        "",
+        "## Environments, experts and deployments",
+        "",
+        *(f"- environment {e['name']} v{e['version']}: {e['status']}" for e in report["environments"]),
+        *(
+            f"- expert {e['capability']} ({e['id']}): {e['status']}, "
+            f"reward per step {[round(r, 2) for r in e['reward_curve']]}"
+            for e in report["experts"]
+        ),
+        *(f"- deployment {d['id']}: {d['status']} {'; '.join(d['reasons'])}" for d in report["decisions"]),
+        "",
+        f"Stage times (s): {report['seconds']}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    kinds = sorted(report["before"]["by_kind"])
+    x = range(len(kinds))
+    left.bar([i - 0.2 for i in x], [report["before"]["by_kind"][k] for k in kinds], 0.4, label="before")
+    left.bar(
+        [i + 0.2 for i in x], [report["after"]["by_kind"].get(k, 0.0) for k in kinds], 0.4, label="after"
+    )
+    left.set_xticks(list(x), kinds, rotation=30, ha="right")
+    left.set_ylim(0, 1)
+    left.set_title(
+        f"Success by task kind: {report['before']['success']:.2f} → {report['after']['success']:.2f}"
+    )
+    left.legend()
+    for expert in report["experts"]:
+        right.plot(
+            range(1, len(expert["reward_curve"]) + 1),
+            expert["reward_curve"],
+            marker="o",
+            label=expert["capability"],
+        )
+    right.set_xlabel("GRPO step")
+    right.set_ylabel("mean episode reward")
+    right.set_title("Expert training")
+    if report["experts"]:
+        right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

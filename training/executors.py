@@ -1,0 +1,68 @@
+"""Where experts train: in this process (the default) or in parallel on a Ray cluster.
+
+A :class:`TrainingJob` is plain data (the environment as a spec, seeds, the config as a
+dict), so it can be shipped to another process or machine; :func:`run_job` is what runs
+on the other end. The Ray executor gives each expert one slot (a GPU where asked, else
+CPUs): users who outgrow one machine point ``address`` at their cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from trace_plugin.environments.interpreter import SpecEnv
+from trace_plugin.environments.spec import EnvSpec
+from training.experts import ExpertResult, ExpertTrainer, ExpertTrainingConfig
+
+
+@dataclass(frozen=True)
+class TrainingJob:
+    spec: dict[str, Any]  # the EnvSpec, as JSON data
+    seeds: list[int]
+    config: dict[str, Any]  # ExpertTrainingConfig fields; output_dir names the adapter's final place
+    model: str | None = None  # local model dir; None is the embedded default
+    examples: list[dict[str, Any]] = field(default_factory=list)  # the agent's few-shot context
+    progress: bool = True
+
+
+def run_job(job: TrainingJob) -> ExpertResult:
+    spec = EnvSpec.model_validate(job.spec)
+    config = ExpertTrainingConfig(**job.config)
+    trainer = ExpertTrainer(
+        config,
+        lambda: SpecEnv(spec),
+        job.seeds,
+        model=job.model,
+        hint=spec.hint,
+        examples=job.examples,
+        progress=job.progress,
+    )
+    return trainer.train()
+
+
+class Executor(Protocol):
+    def run(self, jobs: Sequence[TrainingJob]) -> list[ExpertResult]: ...
+
+
+class LocalExecutor:
+    """One expert after another, in this process."""
+
+    def run(self, jobs: Sequence[TrainingJob]) -> list[ExpertResult]:
+        return [run_job(job) for job in jobs]
+
+
+class RayExecutor:
+    """Every expert at once on a Ray cluster (a local one when ``address`` is None)."""
+
+    def __init__(self, address: str | None = None, *, num_cpus: float = 1, num_gpus: float = 0) -> None:
+        self.address, self.num_cpus, self.num_gpus = address, num_cpus, num_gpus
+
+    def run(self, jobs: Sequence[TrainingJob]) -> list[ExpertResult]:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=self.address, include_dashboard=False, log_to_driver=True)
+        remote = ray.remote(num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_retries=0)(run_job)
+        return ray.get([remote.remote(job) for job in jobs])
