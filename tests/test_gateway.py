@@ -187,7 +187,9 @@ def test_streaming_and_completions(client, backend):
 
 def test_a_stop_string_ends_generation_there(client):
     free = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Count: 1, 2, 3,"}], max_tokens=48
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "Count: 1, 2, 3,"}],
+        max_tokens=48,
     )
     stopped = client.chat.completions.create(
         model="SmolLM2-135M-Instruct",
@@ -197,7 +199,9 @@ def test_a_stop_string_ends_generation_there(client):
     )
     assert "," in free.choices[0].message.content  # without the stop it runs on
     assert "," not in stopped.choices[0].message.content and stopped.choices[0].finish_reason == "stop"
-    assert stopped.usage.completion_tokens < free.usage.completion_tokens  # it stopped generating, not just cut
+    assert (
+        stopped.usage.completion_tokens < free.usage.completion_tokens
+    )  # it stopped generating, not just cut
 
 
 def test_n_choices_and_tool_choice_none(client, backend):
