@@ -3,6 +3,7 @@ and real GRPO runs of SmolLM2 that produce adapters only when complete."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -303,6 +304,9 @@ def test_interrupted_run_leaves_no_adapter_and_a_rerun_resumes(retail_expert):
     # Once finished, a re-run returns the recorded expert instead of training again.
     again = ExpertTrainer(config, RetailEnv, RETAIL_SEEDS, progress=False).train()
     assert again == result
+    other = dataclasses.replace(config, learning_rate=1e-5)
+    with pytest.raises(FileExistsError, match="another config"):
+        ExpertTrainer(other, RetailEnv, RETAIL_SEEDS, progress=False).train()
 
 
 @pytest.mark.slow

@@ -477,7 +477,9 @@ class ExpertResult:
 
     adapter_dir: Path
     adapter_sha256: str  # of adapter_model.safetensors
-    reward_curve: list[float]  # mean episode reward per optimizer step
+    # Mean episode reward per optimizer step, over the rollouts trained on (hinted ones and
+    # resampled groups included); ``logs`` has the un-hinted mean beside it.
+    reward_curve: list[float]
     config: dict[str, Any]
     base_model: Path
     base_model_sha256: str  # of the base model's weight files
@@ -503,8 +505,8 @@ class ExpertTrainer:
     Work happens in ``.<name>.partial`` beside the final directory: TRL's checkpoints, then
     the adapter, which is renamed into place (atomic on one filesystem) as the last act.
     A re-run with the same output dir resumes from the last complete checkpoint written
-    under the same config, or restarts cleanly; once the final directory exists, a re-run
-    returns its recorded result.
+    under the same config and seeds, or restarts cleanly; once the final directory exists, a
+    re-run with the same config returns its recorded result.
     """
 
     def __init__(
@@ -532,7 +534,10 @@ class ExpertTrainer:
 
     def train(self) -> ExpertResult:
         if (self.final_dir / RESULT_FILE).is_file():
-            return ExpertResult.load(self.final_dir)
+            done = ExpertResult.load(self.final_dir)
+            if done.config != self.config.to_dict():
+                raise FileExistsError(f"{self.final_dir} holds an expert trained with another config")
+            return done
         if self.final_dir.exists():
             raise FileExistsError(
                 f"{self.final_dir} exists and is not a finished expert; remove it or choose another"
