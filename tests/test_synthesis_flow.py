@@ -97,6 +97,16 @@ async def test_a_broken_reward_is_rejected_and_stored_with_its_reasons(planted, 
     assert any("reference succeeds on 0%" in p for p in record.report["policies"]["problems"])
 
 
+async def test_a_rejected_llm_proposal_leaves_the_offline_spec_and_is_reported(planted):
+    [capability] = [c for c in planted.capabilities("planted") if c.name == "argument_grounding"]
+    answers = iter(["not json", '{"name": "x"}', "```json\n{}\n```"])
+    record = await prepare_environment(
+        planted, "planted", capability, propose_with=lambda messages, schema: next(answers)
+    )
+    assert record.status == "validated" and record.spec.name == "argument_grounding-env"
+    assert record.report["proposal"]["accepted"] is False and len(record.report["proposal"]["problems"]) == 3
+
+
 @pytest.mark.slow
 async def test_calibration_with_the_real_base_model(planted, local_recorder, embedded_backend):
     [capability] = [c for c in planted.capabilities("planted") if c.name == "argument_grounding"]

@@ -448,6 +448,9 @@ def synthesize_command(
         str | None, typer.Option(help="OpenAI-compatible endpoint of the base model; default: run it here.")
     ] = None,
     model: Annotated[str | None, typer.Option(help="Model name (or local dir, when run here).")] = None,
+    llm: Annotated[
+        str | None, typer.Option(metavar="MODEL", help="Let this litellm model propose the spec (validated).")
+    ] = None,
     db: DbOption = None,
 ) -> None:
     """Synthesize, check and calibrate a training environment for a mined capability."""
@@ -466,8 +469,20 @@ def synthesize_command(
             if base_url is None:
                 base_url, model = _local_gateway(stack, model), "base"
             play = chat_player(base_url, model or "base", agent=f"calibration:{capability}", max_tokens=96)
+        propose_with = None
+        if llm is not None:
+            from trace_plugin.mining.analyzer import LiteLLMComplete
+
+            propose_with = LiteLLMComplete(llm)
         record = asyncio.run(
-            prepare_environment(store, agent, found[0], play=play, progress=lambda m: console.print(m))
+            prepare_environment(
+                store,
+                agent,
+                found[0],
+                play=play,
+                propose_with=propose_with,
+                progress=lambda m: console.print(m),
+            )
         )
     console.print(
         f"{record.spec.name} v{record.version}: {_status_style(record.status)} "
@@ -475,6 +490,14 @@ def synthesize_command(
     )
     for problem in record.report["policies"]["problems"]:
         console.print(f"[red]✗ {problem}[/]")
+    proposal = record.report.get("proposal")
+    if proposal is not None:
+        verdict = (
+            "[green]accepted[/]" if proposal["accepted"] else "[yellow]rejected; kept the offline spec[/]"
+        )
+        console.print(f"{llm}'s proposal: {verdict}")
+        for problem in proposal["problems"]:
+            console.print(f"  [yellow]✗ {_short(problem, 160)}[/]")
 
 
 def _local_gateway(stack: Any, model: str | None) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 
 from trace_plugin.environments.base import Environment
 from trace_plugin.environments.interpreter import SpecEnv
+from trace_plugin.environments.proposals import Complete, propose
 from trace_plugin.environments.retail import RetailEnv
 from trace_plugin.environments.spec import EnvSpec, SpecRecord
 from trace_plugin.environments.synthesis import Target, synthesize
@@ -75,11 +76,14 @@ async def prepare_environment(
     band: Band = DEFAULT_BAND,
     seeds: Sequence[int] = CALIBRATION_SEEDS[:8],
     samples: int = 4,
+    propose_with: Complete | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> SpecRecord:
     """Synthesize an environment for ``capability`` from the agent's traffic, check and
     calibrate it, and store it: ``validated`` when usable, ``out_of_band`` when the base
     model's reward stayed outside the learnable band, ``rejected`` when its reward is broken.
+    With ``propose_with`` an LLM may improve the offline spec; its proposal is used only
+    if it validates, and the report says what happened to it.
     """
     target = Target.from_store(store, agent)
     spec: EnvSpec = synthesize(
@@ -89,6 +93,10 @@ async def prepare_environment(
         observations=target.observations,
         description=capability.description,
     )
+    proposal = None
+    if propose_with is not None:
+        proposal = propose(spec, capability.description, propose_with, tools=target.tools)
+        spec = proposal.spec or spec
     policies = check_policies(spec)
     report: dict[str, Any] = {
         "policies": {
@@ -100,6 +108,8 @@ async def prepare_environment(
         },
         "capability": {"name": capability.name, "mining_run": capability.mining_run},
     }
+    if proposal is not None:
+        report["proposal"] = proposal.to_report()
     if not policies.passed:
         return store.save_env_spec(agent, spec, "rejected", report)
     status = "validated"

@@ -144,7 +144,6 @@ class Check(_Model):
 
 class Difficulty(_Model):
     distractor_rows: int = Field(0, ge=0, le=MAX_ROWS)  # extra rows per table, none of them the answer
-    examples: int = Field(0, ge=0, le=3)  # worked example episodes shown before the ticket
 
 
 class EnvSpec(_Model):
