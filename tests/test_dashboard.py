@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
-from sqlalchemy import text
 
 from trace_plugin import Store
 from trace_plugin.dashboard import create_dashboard
@@ -255,20 +254,24 @@ def test_success_plot_draws_points_and_deployment_markers(client: TestClient, co
     html = client.get("/success").text
     assert '<svg id="success-plot"' in html and "<polyline" in html
     assert "alpha · 2026-03-01 UTC · 1/2 = 50%" in html
-    assert '<g class="marker">' not in html  # no deployments table yet
+    assert '<g class="marker">' not in html  # nothing deployed yet
 
-    with corpus.store.engine.begin() as conn:
-        conn.execute(text("CREATE TABLE deployments (agent VARCHAR(200), label TEXT, deployed_at DATETIME)"))
-        conn.execute(
-            text(
-                "INSERT INTO deployments VALUES ('alpha', :a, :t1), ('beta', 'b@1', :t1), ('alpha', 'x', :t2)"
-            ),
-            {"a": f"billing@2 {SCRIPT}", "t1": "2026-03-02 00:00:00", "t2": "2027-01-01 00:00:00"},
-        )
+    from trace_plugin.deployments import Deployment
+
+    def at(day: str) -> datetime:
+        return datetime.fromisoformat(f"{day}T00:00:00+00:00")
+
+    for deployment in (
+        Deployment(f"c1 {SCRIPT}", "alpha", "superseded", created_at=at("2026-03-02")),
+        Deployment("c2", "alpha", "rejected", created_at=at("2026-03-02")),  # never took traffic
+        Deployment("c3", "beta", "live", created_at=at("2026-03-02")),
+        Deployment("c4", "alpha", "live", created_at=at("2027-01-01")),  # after the plotted range
+    ):
+        corpus.store.save_deployment(deployment)
     html = client.get("/success", params={"agent": "alpha"}).text
-    assert html.count('<g class="marker">') == 1  # beta's is another agent's; "late" is outside the range
-    assert "billing@2 &lt;script&gt;" in html and "<script" not in html
-    assert html.count("<li>") == 2  # both of alpha's deployments are listed
+    assert html.count('<g class="marker">') == 1  # beta's is another agent's; c4 is outside the range
+    assert "c1 &lt;script&gt;" in html and "<script" not in html and "(superseded)" in html
+    assert html.count("<li>") == 2  # both of alpha's deployments that took traffic are listed
     assert client.get("/success").text.count('<g class="marker">') == 2
     # The hook for later stages: the capabilities page shows the table once it exists.
     assert '<h2 class="stage" id="stage-deployments">' in client.get("/capabilities").text

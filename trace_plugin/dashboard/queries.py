@@ -248,27 +248,20 @@ def _first(table: Table, names: tuple[str, ...]) -> Any:
     return next((table.c[n] for n in names if n in table.c), None)
 
 
-_TIME_COLUMNS = ("deployed_at", "created_at", "started_at", "at", "time")
-_LABEL_COLUMNS = ("label", "name", "version", "adapter", "expert")
+_TIME_COLUMNS = ("created_at", "started_at", "mined_at")
 
 
 def deployment_markers(engine: Engine, agent: str | None = None) -> list[Marker]:
-    """Deployments as plot markers, once a ``deployments`` table exists; [] until then.
-
-    The table is not designed yet, so its time and label columns are found by name.
-    """
+    """Every deployment that took traffic (live, superseded or rolled back), as plot markers."""
+    d = t.deployments.c
+    query = (
+        select(d.created_at, d.id, d.status).where(d.status != "rejected").order_by(d.created_at).limit(500)
+    )
+    if agent is not None:
+        query = query.where(d.agent == agent)
     with engine.connect() as conn:
-        table = _reflect(conn, "deployments")
-        if table is None:
-            return []
-        at, label = _first(table, _TIME_COLUMNS), _first(table, _LABEL_COLUMNS)
-        if at is None:
-            return []
-        query = select(at, label if label is not None else at).where(at.is_not(None)).order_by(at).limit(500)
-        if agent is not None and "agent" in table.c:
-            query = query.where(table.c.agent == agent)
         rows = conn.execute(query).all()
-    return [Marker(aware(_as_datetime(a)), str(text)) for a, text in rows]
+    return [Marker(aware(_as_datetime(at)), f"{ident} ({status})") for at, ident, status in rows]
 
 
 def _as_datetime(value: Any) -> datetime:
