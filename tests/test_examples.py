@@ -1,0 +1,43 @@
+"""Every example runs, as a user would run it (the GPU recipe is scripts/gpu_check.sh's)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+
+
+def run(*args: str, timeout: float = 300) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_quickstart():
+    out = run("examples/quickstart.py")
+    assert "get_order_details" in out and "cancel_pending_order" in out
+
+
+def test_mcp_client_plays_a_synthesized_environment_over_http():
+    out = run("examples/mcp_client.py")
+    assert "tools: ['find_user', 'get_user', 'env_reset', 'env_reward']" in out
+    assert "reward: {'total': 1.0" in out and "recorded episode" in out
+
+
+def test_litellm_agent_is_captured_by_the_callback():
+    out = run("examples/litellm_agent.py")
+    assert "answer: Your order W100 has been delivered." in out and "2 model calls" in out
+
+
+@pytest.mark.slow
+def test_support_agent_on_the_real_model(tmp_path):
+    out = run("examples/support_agent/agent.py", "--tasks", "2", "--concurrency", "2", timeout=600)
+    assert '"tasks": 2' in out and "Support agent (SmolLM2-135M-Instruct)" in out
