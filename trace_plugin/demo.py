@@ -54,55 +54,79 @@ PRESETS = {
 }
 
 
-def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | None = None) -> dict[str, Any]:
-    preset = PRESETS[preset_name]
-    console = Console()
-    home = home or data_dir() / "demo"
-    if home.exists():
-        shutil.rmtree(home)  # every demo starts from an empty store and no experts
-    (home / "adapters").mkdir(parents=True)
-    out = out or home
-    started = time.monotonic()
-    db = f"sqlite:///{home / 'trace.db'}"
-    store = Store(db)
-    store.upgrade()
-    recorder = trace_plugin.configure(db)
-    support = _support_agent_module()
+class SupportStack:
+    """The demo's world: a store, the embedded model behind the gateway, and the example
+    support agent pointed at it. The improvement benchmark runs on the same stack."""
 
-    from trace_plugin.gateway.app import GatewayConfig, create_app
-    from trace_plugin.gateway.embedded import EmbeddedBackend
-    from trace_plugin.gateway.server import start_in_thread
+    def __init__(self, home: Path, console: Console) -> None:
+        from trace_plugin.gateway.app import GatewayConfig, create_app
+        from trace_plugin.gateway.embedded import EmbeddedBackend
+        from trace_plugin.gateway.server import start_in_thread
 
-    console.rule("[bold]1. gateway")
-    with console.status("loading SmolLM2-135M…"):
-        backend = EmbeddedBackend(max_batch=16)
-    config = GatewayConfig(adapter_root=home / "adapters", agent=AGENT, record=False)
-    server = start_in_thread(create_app(backend, config=config))
-    base_url = f"{server.url}/v1"
-    console.print(f"gateway at {base_url}, model {backend.model_id}")
+        if home.exists():
+            shutil.rmtree(home)  # every run starts from an empty store and no experts
+        self.adapter_root = home / "adapters"
+        self.adapter_root.mkdir(parents=True)
+        self.console = console
+        self.db = f"sqlite:///{home / 'trace.db'}"
+        self.store = Store(self.db)
+        self.store.upgrade()
+        self.recorder = trace_plugin.configure(self.db)
+        self.support = _support_agent_module()
+        with console.status("loading SmolLM2-135M…"):
+            self.backend = EmbeddedBackend(max_batch=16)
+        config = GatewayConfig(adapter_root=self.adapter_root, agent=AGENT, record=False)
+        self.server = start_in_thread(create_app(self.backend, config=config))
+        self.base_url = f"{self.server.url}/v1"
+        console.print(f"gateway at {self.base_url}, model {self.backend.model_id}")
 
-    def agent(model: str, *, evaluation: bool) -> LangGraphAgent:
+    def agent(self, model: str, *, evaluation: bool) -> LangGraphAgent:
+        support, base_url = self.support, self.base_url
+
         def build(env: Any) -> Any:
             if not evaluation:  # the agent exactly as deployed: decorated, recording as support-agent
                 return support.build_support_agent(env, base_url=base_url, model=model)
             graph = support.build_support_agent.__wrapped__(env, base_url=base_url, model=model)
-            return trace_plugin.capture(agent=EVAL_AGENT, recorder=recorder)(graph)
+            return trace_plugin.capture(agent=EVAL_AGENT, recorder=self.recorder)(graph)
 
         return LangGraphAgent(build, examples=support.few_shot_messages())
 
-    async def evaluate(model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
-        runner = Runner(
-            RetailEnv, agent(model, evaluation=True), concurrency=16, recorder=recorder, console=console
-        )
+    async def evaluate(self, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
+        """The support agent on retail tasks, served as ``model``; recorded as an evaluation."""
+        agent = self.agent(model, evaluation=True)
+        runner = Runner(RetailEnv, agent, concurrency=16, recorder=self.recorder, console=self.console)
         return await runner.run(seeds, description=f"test tasks as {model}")
+
+    def traffic(self, seeds: Sequence[int]) -> list[EpisodeResult]:
+        """The support agent as deployed, on retail train tasks: production traffic."""
+        agent = self.agent("default", evaluation=False)
+        runner = Runner(RetailEnv, agent, concurrency=16, recorder=self.recorder, console=self.console)
+        results = asyncio.run(runner.run(seeds, description="traffic"))
+        self.recorder.flush(30)
+        return results
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.recorder.flush(30)
+
+
+def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | None = None) -> dict[str, Any]:
+    preset = PRESETS[preset_name]
+    console = Console()
+    home = home or data_dir() / "demo"
+    out = out or home
+    started = time.monotonic()
+    console.rule("[bold]1. gateway")
+    stack = SupportStack(home, console)
+    store, recorder, backend = stack.store, stack.recorder, stack.backend
 
     test = list(TEST_SEEDS)[: preset.test_tasks]
     improver = Improver(
         store,
         ImproverConfig(
             agent=AGENT,
-            gateway_url=server.url,
-            adapter_root=home / "adapters",
+            gateway_url=stack.server.url,
+            adapter_root=stack.adapter_root,
             target="retail",
             target_seeds=test,
             min_new_episodes=0,
@@ -112,7 +136,7 @@ def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | No
             training={"rollout_budget": preset.rollouts},
             eval_seeds=preset.eval_seeds,
         ),
-        evaluator=evaluate,
+        evaluator=stack.evaluate,
         recorder=recorder,
         console=console,
     )
@@ -125,14 +149,8 @@ def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | No
 
         console.rule("[bold]3. production traffic: the train split")
         mark = time.monotonic()
-        traffic = Runner(
-            RetailEnv, agent("default", evaluation=False), concurrency=16, recorder=recorder, console=console
-        )
-        traffic_results = asyncio.run(
-            traffic.run(list(TRAIN_SEEDS)[: preset.traffic_tasks], description="traffic")
-        )
+        traffic_results = stack.traffic(list(TRAIN_SEEDS)[: preset.traffic_tasks])
         console.print(summarize(traffic_results, "Captured traffic"))
-        recorder.flush(30)
         timings["traffic"] = time.monotonic() - mark
 
         console.rule("[bold]4. improve: mine, synthesize, train, gate, deploy")
@@ -142,11 +160,10 @@ def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | No
 
         console.rule("[bold]5. after: the same agent, same test tasks")
         mark = time.monotonic()
-        after = _summary(asyncio.run(evaluate("default", test)))
+        after = _summary(asyncio.run(stack.evaluate("default", test)))
         timings["after"] = time.monotonic() - mark
     finally:
-        server.stop()
-        recorder.flush(30)
+        stack.stop()
 
     report = {
         "preset": preset_name,
