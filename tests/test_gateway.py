@@ -358,12 +358,14 @@ def test_router_picks_the_adapter_for_agent_requests(client, gateway):
 
 def test_the_router_is_swapped_by_spec_through_the_admin_api(client, gateway):
     ensure_loaded(gateway, "alpha@1", "alpha/1")
+    ensure_loaded(gateway, "beta@1", "beta/1")  # the keyword router's, restored at the end
     original = httpx.get(f"{gateway.url}/v1/router").json()
     assert original["kind"] == "keyword"
     try:
         swapped = httpx.post(f"{gateway.url}/v1/router", json={"kind": "static", "adapter": "alpha"})
         assert swapped.status_code == 200 and swapped.json() == {"kind": "static", "adapter": "alpha"}
         assert greedy(client, "support", "Where is my order?").model.startswith("alpha@")
+        assert greedy(client, "base", "Where is my order?").model == "SmolLM2-135M-Instruct"  # never routed
         missing = httpx.post(f"{gateway.url}/v1/router", json={"kind": "static", "adapter": "gamma"})
         assert missing.status_code == 409 and "gamma" in missing.text
         for bad in ({"kind": "neural"}, {"kind": "keyword"}, [1, 2]):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 from langchain.agents import create_agent
 from langchain_core.tools import StructuredTool
 from langchain_openai import ChatOpenAI
@@ -104,6 +105,8 @@ def environment_tools(env: Environment) -> list[StructuredTool]:
 @trace_plugin.capture(agent="support-agent")
 def build_support_agent(env: Environment, *, base_url: str, model: str, max_tokens: int = 160):
     # A small model goes on to invent the tool's answer after its call: stop it there.
+    # An HTTP client per agent: langchain-openai's shared default one is bound to the first
+    # event loop that used it, and this agent runs under several.
     llm = ChatOpenAI(
         base_url=base_url,
         api_key="unused",
@@ -111,6 +114,7 @@ def build_support_agent(env: Environment, *, base_url: str, model: str, max_toke
         temperature=0,
         max_tokens=max_tokens,
         stop=["<tool_response>"],
+        http_async_client=httpx.AsyncClient(timeout=600),
     )
     return create_agent(llm, environment_tools(env), system_prompt=env.system_prompt)
 

@@ -3,7 +3,8 @@
 ``create_app(backend, ...)`` returns a FastAPI app with ``/v1/chat/completions``,
 ``/v1/completions``, ``/v1/models`` and ``/health``, plus vLLM's runtime LoRA admin
 endpoints. A request's ``model`` picks an adapter by name (the vLLM convention); a
-request naming the base model or the agent is routed by the router. Every call is
+request naming the base model or the agent is routed by the router; ``base`` is always
+the base model itself, and ``router:NAME`` a candidate router. Every call is
 recorded as a step of an episode in the store.
 """
 
@@ -163,6 +164,8 @@ def create_app(
         """The adapter name a request asks for, or that the router picks; None is the base."""
         if model in registry.listing():
             return model
+        if model == BASE_MODEL:
+            return None
         routed = model in {backend.model_id, config.agent, "default", *config.agent_aliases}
         candidate = (
             app.state.candidates.get(model.removeprefix(ROUTER_PREFIX))
@@ -374,6 +377,7 @@ def create_app(
 
 
 ROUTER_PREFIX = "router:"
+BASE_MODEL = "base"  # the base model itself, whatever the router would choose
 
 
 def _error(
