@@ -1,0 +1,158 @@
+"""GRPO rollouts per second: our rollout function against TRL's built-in generation.
+
+Both train the same LoRA (r=8, all linear layers) on SmolLM2-135M with the same retail
+prompts (the policy, nine tool schemas and a ticket), 4 rollouts per step, 48 tokens per
+completion, one turn. The reward is a hash of the completion, so every group carries
+signal and nothing is dropped: a cost comparison, not a learning one. A third run uses
+the real retail reward, where the base model's groups are all flat and ours drops them
+(dynamic sampling), to show what that saves. Each configuration runs in its own process
+(peak RSS is per process); the first step is warm-up and not counted.
+
+    python bench/training.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+GROUP = 4
+
+
+def scored_reward(text: str) -> float:
+    return int(hashlib.sha256(text.encode()).hexdigest(), 16) % 1000 / 1000
+
+
+def run(which: str, steps: int) -> dict:
+    """One configuration, in this process: seconds per step after the first."""
+    warnings.filterwarnings("ignore")
+    from transformers import TrainerCallback
+
+    from trace_plugin.environments.base import RewardBreakdown
+    from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
+    from training.experts import ExpertTrainer, ExpertTrainingConfig
+
+    class Scored(RetailEnv):
+        def reward(self, answer: str = "") -> RewardBreakdown:
+            return RewardBreakdown(scored_reward(answer))
+
+    class Steps(TrainerCallback):
+        def __init__(self) -> None:
+            self.ends: list[float] = [time.monotonic()]
+
+        def on_step_end(self, args, state, control, **kwargs) -> None:  # noqa: ANN001
+            self.ends.append(time.monotonic())
+
+    seeds, steps_cb = list(TRAIN_SEEDS)[:32], Steps()
+    common = {"max_completion_length": 48, "checkpoint_every": 1000, "output_dir": tempfile.mkdtemp() + "/e"}
+    if which == "naive":
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+
+        from trace_plugin.chat_template import render
+        from trace_plugin.model_files import load_model, resolve_model
+
+        model, tokenizer = load_model(resolve_model())
+        env = RetailEnv()
+        prompts = []
+        for seed in seeds:
+            task = env.reset(seed)
+            messages = [
+                {"role": "system", "content": env.system_prompt},
+                {"role": "user", "content": task.prompt},
+            ]
+            prompts.append(render(tokenizer, messages, env.tools))
+        config = ExpertTrainingConfig(**common)
+        kwargs = config.grpo_kwargs(Path(tempfile.mkdtemp()))
+        kwargs["max_steps"] = steps
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=lambda completions, **_: [scored_reward(c) for c in completions],
+            args=GRPOConfig(**kwargs),
+            train_dataset=Dataset.from_dict({"prompt": prompts}),
+            processing_class=tokenizer,
+            peft_config=config.lora_config(),
+            callbacks=[steps_cb],
+        )
+        steps_cb.ends = [time.monotonic()]
+        trainer.train()
+    else:
+        env = Scored if which == "ours" else RetailEnv
+        config = ExpertTrainingConfig(rollout_budget=GROUP * steps, max_turns=1, resample_rounds=0, **common)
+        ExpertTrainer(config, env, seeds, progress=False, callbacks=[steps_cb]).train()
+    durations = [b - a for a, b in zip(steps_cb.ends, steps_cb.ends[1:], strict=False)][1:]
+    return {
+        "seconds_per_step": sum(durations) / len(durations),
+        "rollouts_per_s": GROUP * len(durations) / sum(durations),
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run(args.child, args.steps)))
+        return
+    steps = 2 if args.quick else 4  # the first is warm-up
+    results = {}
+    for which in ("naive", "ours", "ours_flat"):
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", which, "--steps", str(steps)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        results[which] = json.loads(out.strip().splitlines()[-1])
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"GRPO on SmolLM2-135M, CPU: {GROUP} rollouts/step, 48 tokens, retail prompts")
+    for column in ("configuration", "s/step", "rollouts/s", "vs naive", "peak RSS GB"):
+        table.add_column(column)
+    labels = {
+        "naive": "TRL built-in generation (naive)",
+        "ours": "our rollout_func, every group has signal",
+        "ours_flat": "our rollout_func, real reward: flat groups dropped",
+    }
+    naive = results["naive"]["rollouts_per_s"]
+    for which, r in results.items():
+        table.add_row(
+            labels[which],
+            f"{r['seconds_per_step']:.1f}",
+            f"{r['rollouts_per_s']:.3f}",
+            f"{r['rollouts_per_s'] / naive:.2f}×",
+            f"{r['peak_rss_gb']:.1f}",
+        )
+    Console().print(table)
+    ours = results["ours"]
+    print(
+        json.dumps(
+            {
+                "bench": "training",
+                "quick": args.quick,
+                "rollouts_per_s": round(ours["rollouts_per_s"], 4),
+                "naive_rollouts_per_s": round(naive, 4),
+                "speedup": round(ours["rollouts_per_s"] / naive, 3),
+                "peak_rss_gb": round(max(r["peak_rss_gb"] for r in results.values()), 2),
+                "speedup_with_flat_groups_dropped": round(results["ours_flat"]["rollouts_per_s"] / naive, 3),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
