@@ -45,12 +45,13 @@ class Preset:
     max_experts: int
     calibration_seeds: int
     calibration_samples: int
+    calibration_attempts: int
     eval_seeds: int  # held-out seeds per synthesized environment
 
 
 PRESETS = {
-    "quick": Preset(16, 24, 32, 1, 4, 2, 8),
-    "default": Preset(48, 96, 128, 2, 8, 4, 16),
+    "quick": Preset(16, 24, 32, 1, 4, 2, 2, 8),
+    "default": Preset(48, 96, 128, 2, 8, 4, 3, 16),
 }
 
 
@@ -133,7 +134,9 @@ def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | No
             max_experts=preset.max_experts,
             calibration_seeds=preset.calibration_seeds,
             calibration_samples=preset.calibration_samples,
-            training={"rollout_budget": preset.rollouts},
+            calibration_attempts=preset.calibration_attempts,
+            # Half the rollouts see a worked example: the base model rarely calls a tool without one.
+            training={"rollout_budget": preset.rollouts, "hint_fraction": 0.5},
             eval_seeds=preset.eval_seeds,
         ),
         evaluator=stack.evaluate,

@@ -33,6 +33,7 @@ from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.environments.runner import ChatLoopAgent, EpisodeResult, Runner
 from trace_plugin.environments.spec import EnvSpec
 from trace_plugin.environments.synthesis import Target
+from trace_plugin.environments.validation import Band
 from trace_plugin.experts import Expert
 from trace_plugin.jobs import Job, job_id
 from trace_plugin.mining.miner import OfflineMiner, outcome
@@ -68,6 +69,7 @@ class ImproverConfig:
     calibrate: bool = True
     calibration_seeds: int = 8
     calibration_samples: int = 4
+    calibration_attempts: int = 5
     # training
     preset: str = "cpu-small"
     training: dict[str, Any] = field(default_factory=dict)  # ExpertTrainingConfig overrides
@@ -256,6 +258,8 @@ class Improver:
             play=play,
             seeds=range(2_000_000, 2_000_000 + self.config.calibration_seeds),
             samples=self.config.calibration_samples,
+            band=Band(attempts=self.config.calibration_attempts),
+            hint_fraction=self._training_config().hint_fraction,
             progress=self.console.log,
         )
         self.console.log(f"{record.spec.name} v{record.version}: {record.status}")
@@ -263,20 +267,13 @@ class Improver:
 
     def _train(self, cycle: str, capability: str, env: dict[str, Any]) -> dict[str, Any]:
         from training.executors import LocalExecutor, TrainingJob
-        from training.experts import ExpertTrainingConfig
 
         record = self.store.env_spec(env["env"], env["version"])
         assert record is not None
         expert_id = _derived_id(cycle, capability)
         output = self.config.adapter_root / capability / expert_id
-        config = ExpertTrainingConfig.preset(
-            self.config.preset, output_dir=str(output), **self.config.training
-        )
-        examples = (
-            Target.from_store(self.store, self.config.agent).examples
-            if self.config.train_with_examples
-            else []
-        )
+        config = self._training_config(output_dir=str(output))
+        examples = self._examples()
         expert = self.store.expert(expert_id) or Expert(
             self.config.agent,
             capability,
@@ -409,6 +406,11 @@ class Improver:
 
     # -- helpers --------------------------------------------------------------------------------
 
+    def _training_config(self, **overrides: Any) -> Any:
+        from training.experts import ExpertTrainingConfig
+
+        return ExpertTrainingConfig.preset(self.config.preset, **{**self.config.training, **overrides})
+
     def _examples(self) -> list[dict[str, Any]]:
         """The agent's own few-shot context, which experts train and are measured behind."""
         return (
@@ -446,9 +448,7 @@ class Improver:
             model,
             agent=f"eval:{self.config.agent}",
             max_tokens=self.config.max_tokens,
-            examples=Target.from_store(self.store, self.config.agent).examples
-            if self.config.train_with_examples
-            else (),
+            examples=self._examples(),
             recorder=self.recorder,
         )
         runner = Runner(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from trace_plugin.environments.interpreter import SpecEnv
+from trace_plugin.environments.interpreter import SpecEnv, worked_example
 from trace_plugin.environments.spec import EnvSpec
 from training.experts import ExpertResult, ExpertTrainer, ExpertTrainingConfig
 
@@ -35,7 +35,7 @@ def run_job(job: TrainingJob) -> ExpertResult:
         lambda: SpecEnv(spec),
         job.seeds,
         model=job.model,
-        hint=spec.hint,
+        hint=worked_example(spec) or spec.hint,
         examples=job.examples,
         progress=job.progress,
     )

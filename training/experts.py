@@ -19,10 +19,11 @@ un-hinted prompt ids, the completion ids (model turns and tool results interleav
 an ``env_mask`` that keeps tool-result tokens out of the loss, and the episode reward for
 the reward function to pass through. TRL then computes the group advantages and the loss.
 
-Hints (TRACE): for ``hint_fraction`` of the rollouts, guidance text is appended to the
-user's ticket *for generation only*; the returned prompt ids are the un-hinted ones, so
-the log-probabilities and the gradient are those of the un-hinted policy. The hinted
-samples are treated as on-policy (no importance weight), which is what the paper does.
+Hints (TRACE): for ``hint_fraction`` of the rollouts, guidance (text appended to the
+user's ticket, or worked example turns placed before it) is added *for generation only*;
+the returned prompt ids are the un-hinted ones, so the log-probabilities and the gradient
+are those of the un-hinted policy. The hinted samples are treated as on-policy (no
+importance weight), which is what the paper does.
 
 Dynamic sampling: a group whose rewards are all equal has zero advantage in TRL (it
 normalizes per group), so it moves nothing but still dilutes the token-normalized
@@ -60,7 +61,10 @@ from trace_plugin.environments.base import Environment, Task, ToolCall
 from trace_plugin.model_files import load_model, resolve_model
 from trace_plugin.tool_calls import parse_completion
 
-Hint = str | Callable[[Task], str | None]
+# Text appended to the ticket, or worked example turns placed just before it (a small
+# model copies a demonstrated tool call far more readily than it follows an instruction).
+HintValue = str | list[dict[str, Any]]
+Hint = HintValue | Callable[[Task], HintValue | None]
 # A generation backend: token-id prompts in, one list of completion ids (EOS included when
 # the model stopped) per prompt out.
 Generate = Callable[[list[list[int]]], list[list[int]]]
@@ -250,14 +254,21 @@ class EpisodePlayer:
         self.eos = tokenizer.eos_token_id
         self._tool_head = self._template([{"role": "user", "content": "x"}, _DUMMY_CALL], False)
 
-    def play(self, seeds: Sequence[int], hints: Sequence[str | None], generate: Generate) -> list[Episode]:
+    def play(
+        self, seeds: Sequence[int], hints: Sequence[HintValue | None], generate: Generate
+    ) -> list[Episode]:
         envs = [self.env_factory() for _ in seeds]
         episodes, contexts = [], []
         for env, seed, hint in zip(envs, seeds, hints, strict=True):
             task = env.reset(seed)
             prompt_ids = self._prompt_ids(env, task.prompt)
             episodes.append(Episode(seed, prompt_ids, hinted=hint is not None))
-            contexts.append(self._prompt_ids(env, f"{task.prompt}\n\nHint: {hint}") if hint else prompt_ids)
+            if isinstance(hint, list):
+                contexts.append(self._prompt_ids(env, task.prompt, hint))
+            else:
+                contexts.append(
+                    self._prompt_ids(env, f"{task.prompt}\n\nHint: {hint}") if hint else prompt_ids
+                )
         active = list(range(len(episodes)))
         for turn in range(1, self.max_turns + 1):
             if not active:
@@ -289,8 +300,8 @@ class EpisodePlayer:
             episode.reward = float(env.reward(episode.answer).total)
         return episodes
 
-    def _prompt_ids(self, env: Environment, user: str) -> list[int]:
-        messages = [{"role": "system", "content": env.system_prompt}, *self.examples]
+    def _prompt_ids(self, env: Environment, user: str, turns: Sequence[dict[str, Any]] = ()) -> list[int]:
+        messages = [{"role": "system", "content": env.system_prompt}, *self.examples, *turns]
         text = render(self.tokenizer, [*messages, {"role": "user", "content": user}], env.tools)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -453,7 +464,7 @@ class Rollouts:
     def _play_group(self, seed: int, rng: random.Random, generate: Generate) -> list[Episode]:
         size, hint = self.config.num_generations, None
         if self.hint is not None:
-            hint = self.hint if isinstance(self.hint, str) else self.hint(self._task(seed))
+            hint = self.hint(self._task(seed)) if callable(self.hint) else self.hint
         # Stochastic rounding: exactly hint_fraction of the rollouts in expectation, hinted ones first.
         hinted = int(self.config.hint_fraction * size + rng.random()) if hint else 0
         return self.player.play([seed] * size, [hint] * hinted + [None] * (size - hinted), generate)

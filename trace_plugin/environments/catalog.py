@@ -53,10 +53,18 @@ def chat_player(base_url: str, model: str, *, agent: str, temperature: float = 1
     from trace_plugin.environments.runner import ChatLoopAgent
     from trace_plugin.trajectory import new_id
 
-    loop = ChatLoopAgent(base_url, model, agent=agent, temperature=temperature, **options)
+    examples = list(options.pop("examples", ()))
 
     async def play(env: SpecEnv, seed: int) -> float:
         assert env.task is not None
+        loop = ChatLoopAgent(
+            base_url,
+            model,
+            agent=agent,
+            temperature=temperature,
+            examples=[*examples, *env.hint_messages],
+            **options,
+        )
         try:
             answer = await loop.solve(env, env.task, new_id())
         except Exception:  # a failed call scores like a failed episode

@@ -34,9 +34,10 @@ _JSON_TYPES = {
 }
 
 
-# Checks that doing nothing would pass (no forbidden call, state unchanged, no write out of
-# order): they earn credit only once the agent has made one of the reference calls.
-PASSIVE = frozenset({"forbidden", "final_state", "order"})
+# Checks that doing nothing or guessing would pass (no forbidden call, state unchanged, no
+# write out of order, a fact that happens to be named): they earn credit only once the agent
+# has made one of the reference calls.
+GATED = frozenset({"forbidden", "final_state", "order", "facts"})
 
 
 class ToolError(Exception):
@@ -59,9 +60,9 @@ class SpecEnv:
     def __init__(self, spec: EnvSpec, *, hinted: bool = False) -> None:
         self.spec = spec
         self.tools = [t.schema_ for t in spec.tools]
-        self.system_prompt = (
-            f"{spec.system_prompt}\n{spec.hint}" if hinted and spec.hint else spec.system_prompt
-        )
+        self.system_prompt = spec.system_prompt
+        # The hint, shown as a worked example the agent sees just before the ticket.
+        self.hint_messages = worked_example(spec) if hinted else []
         self.task: Task | None = None
         self.rows: Rows = {}
         self.calls: list[ToolCall] = []
@@ -120,7 +121,7 @@ class SpecEnv:
             return RewardBreakdown(0.0)
         engaged = self._engaged()
         scores = [
-            (check, self._score(check, answer) if engaged or check.kind not in PASSIVE else 0.0)
+            (check, self._score(check, answer) if engaged or check.kind not in GATED else 0.0)
             for check in self.spec.checks
         ]
         total = sum(c.weight * score for c, score in scores) / sum(c.weight for c in self.spec.checks)
@@ -239,6 +240,24 @@ class SpecEnv:
             return float(self.digest() == self.digest(self._expected))
         facts = self.task.metadata["facts"]  # facts
         return sum(str(f).lower() in answer.lower() for f in facts) / len(facts) if facts else 1.0
+
+
+def worked_example(spec: EnvSpec) -> list[dict[str, Any]]:
+    """The hint as conversation turns: a ticket from a world no training seed uses, and the
+    first reference call for it, made the way the tool template expects."""
+    task = SpecEnv(spec).reset(-1)
+    reference = task.metadata["reference"]
+    if not reference:
+        return []
+    call = {"name": reference[0]["name"], "arguments": json.dumps(reference[0]["arguments"])}
+    return [
+        {"role": "user", "content": task.prompt},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "hint", "type": "function", "function": call}],
+        },
+    ]
 
 
 def argument_problem(tool: ToolSpec, arguments: dict[str, Any]) -> str | None:
