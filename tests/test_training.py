@@ -143,6 +143,28 @@ def test_hinted_rollouts_generate_with_the_hint_but_keep_the_plain_prompt(tokeni
     assert [("Hint: Echo 3 first." in text) for text in generate.seen] == [False, True, False, True]
 
 
+def test_a_worked_example_hint_is_shown_before_the_ticket_for_generation_only(tokenizer):
+    player = EpisodePlayer(tokenizer, EchoEnv, max_turns=3, max_observation_chars=100)
+    generate = scripted(tokenizer, echo_policy)
+    example = [
+        {"role": "user", "content": "Echo 9."},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "h", "type": "function", "function": {"name": "echo", "arguments": '{"text": "9"}'}}
+            ],
+        },
+    ]
+    plain, hinted = player.play([3, 3], [None, example], generate)
+    assert hinted.prompt_ids == plain.prompt_ids and "Echo 9." not in tokenizer.decode(plain.prompt_ids)
+    first_hinted = generate.seen[1]
+    assert first_hinted.index("Echo 9.") < first_hinted.index('{"name": "echo", "arguments": {"text": "9"}}')
+    assert first_hinted.rindex("Echo 9.") < first_hinted.rindex(
+        EchoEnv().reset(3).prompt
+    )  # before the ticket
+
+
 def test_turn_limit_truncation_and_long_observations(tokenizer):
     calls = scripted(tokenizer, lambda text: echo_call("9" * 50))
     player = EpisodePlayer(tokenizer, EchoEnv, max_turns=2, max_observation_chars=20)
