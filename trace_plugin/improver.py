@@ -248,6 +248,7 @@ class Improver:
                 "base",
                 agent=f"calibration:{self.config.agent}",
                 max_tokens=self.config.max_tokens,
+                max_turns=4,
                 examples=self._examples(),
                 recorder=self.recorder,
             )

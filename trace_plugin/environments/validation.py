@@ -13,6 +13,7 @@ An environment is usable only when its reward means something:
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -137,14 +138,15 @@ async def calibrate(
     """
     report = Calibration(band=band)
     for attempt in range(band.attempts):
-        groups = []
-        for seed in seeds:
-            rewards = []
-            for k in range(samples):
-                env = SpecEnv(spec, hinted=k < round(hint_fraction * samples))
-                env.reset(seed)
-                rewards.append(await play(env, seed))
-            groups.append(rewards)
+
+        async def sample(seed: int, k: int, spec: EnvSpec = spec) -> float:
+            env = SpecEnv(spec, hinted=k < round(hint_fraction * samples))
+            env.reset(seed)
+            return await play(env, seed)
+
+        # Every sample at once, so the model server can batch them.
+        rewards = await asyncio.gather(*(sample(seed, k) for seed in seeds for k in range(samples)))
+        groups = [rewards[i : i + samples] for i in range(0, len(rewards), samples)]
         flat = [r for g in groups for r in g]
         mean = sum(flat) / len(flat)
         informative = sum(len(set(g)) > 1 for g in groups) / len(groups)
