@@ -56,10 +56,12 @@ async def test_a_planted_deficit_is_found_and_stored(local_recorder):
     assert top.metrics["coverage"] > 0.9 and top.metrics["contrast"] > 0.9 and top.metrics["passed"] == 10
     assert top.examples and all(local_recorder.store.get_episode(e).label == "failure" for e in top.examples)
     assert set(top.tools) & {"cancel_order", "modify_address", "return_items", "exchange_items"}
+    assert top.entities[0] == "order" and "user" not in top.entities[:1]
 
     stored = local_recorder.store.capabilities("planted")
     assert [c.name for c in stored] == [c.name for c in capabilities]
     assert stored[0].mining_run == top.mining_run and stored[0].description
+    assert stored[0].entities == top.entities
 
     runner = CliRunner()
     result = runner.invoke(

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from trace_plugin.mining.capability import Capability
 from trace_plugin.mining.detectors import Trajectory
-from trace_plugin.mining.miner import MAX_EXAMPLES, _metrics, outcome
+from trace_plugin.mining.miner import MAX_EXAMPLES, _metrics, involved, outcome
 from trace_plugin.mining.selection import DEFAULT_RULE, Label, Run, SelectionRule, select
 from trace_plugin.store import Store
 from trace_plugin.trajectory import Episode, new_id
@@ -535,7 +535,7 @@ def _capabilities(
         lacking = sorted(
             (i for i in votes if not success[i] and 2 * votes[i] >= seen[i]), key=lambda i: (-votes[i], i)
         )
-        tools = Counter(c.name for i in lacking for c in Trajectory.from_episode(episodes[i]).calls)
+        tools, entities = involved([c for i in lacking for c in Trajectory.from_episode(episodes[i]).calls])
         capabilities.append(
             Capability(
                 name=name,
@@ -544,7 +544,8 @@ def _capabilities(
                 selected=selection.selected,
                 metrics={**_metrics(selection, rule), "llm": stats.as_dict()},
                 examples=[episodes[i].id for i in lacking[:MAX_EXAMPLES]],
-                tools=[tool for tool, _ in tools.most_common()],
+                tools=tools,
+                entities=entities,
                 mining_run=mining_run,
             )
         )

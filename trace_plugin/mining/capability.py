@@ -20,5 +20,6 @@ class Capability:
     metrics: dict[str, Any]  # mean coverage and contrast, runs passed of N, per-run figures
     examples: list[str] = field(default_factory=list)  # failed episodes that lack it
     tools: list[str] = field(default_factory=list)  # tools those episodes called
+    entities: list[str] = field(default_factory=list)  # what the calls acted on: "order" for order_id
     mining_run: str = ""
     mined_at: datetime = field(default_factory=utcnow)

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from trace_plugin.mining.capability import Capability
-from trace_plugin.mining.detectors import DESCRIPTIONS, Role, Trajectory, label_episode
+from trace_plugin.mining.detectors import DESCRIPTIONS, Call, Role, Trajectory, label_episode
 from trace_plugin.mining.selection import (
     DEFAULT_RULE,
     Label,
@@ -68,7 +68,7 @@ def mine_episodes(
         lacking_failed = [
             i for i, ok in enumerate(success) if not ok and labels[selection.capability][i] is Label.LACKING
         ]
-        tools = Counter(c.name for i in lacking_failed for c in trajectories[i].calls)
+        tools, entities = involved([c for i in lacking_failed for c in trajectories[i].calls])
         capabilities.append(
             Capability(
                 name=selection.capability,
@@ -77,11 +77,25 @@ def mine_episodes(
                 selected=selection.selected,
                 metrics=_metrics(selection, rule),
                 examples=[episodes[i].id for i in lacking_failed[:MAX_EXAMPLES]],
-                tools=[name for name, _ in tools.most_common()],
+                tools=tools,
+                entities=entities,
                 mining_run=run,
             )
         )
     return capabilities
+
+
+def involved(calls: Sequence[Call]) -> tuple[list[str], list[str]]:
+    """The tools called and the entities they acted on (``order`` for ``order_id``), most
+    frequent first."""
+    tools = Counter(c.name for c in calls)
+    entities = Counter(
+        name.removesuffix("_ids").removesuffix("_id")
+        for c in calls
+        for name in c.arguments
+        if name.endswith(("_id", "_ids"))
+    )
+    return [t for t, _ in tools.most_common()], [e for e, _ in entities.most_common()]
 
 
 def _metrics(selection: Selection, rule: SelectionRule) -> dict:

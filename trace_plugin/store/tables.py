@@ -22,6 +22,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
@@ -125,6 +126,7 @@ capabilities = Table(
     Column("metrics", Json, nullable=False),  # coverage, contrast, runs passed, per-run figures
     Column("examples", Json, nullable=False),  # failed episode ids that lack it
     Column("tools", Json, nullable=False),  # tools involved in those episodes
+    Column("entities", Json, nullable=False, server_default=text("'[]'")),  # what those calls acted on
     Column("mined_at", Timestamp, nullable=False),
     Index("ix_capabilities_agent_run", "agent", "mining_run"),
 )
