@@ -136,7 +136,13 @@ def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | No
             calibration_samples=preset.calibration_samples,
             calibration_attempts=preset.calibration_attempts,
             # Half the rollouts see a worked example: the base model rarely calls a tool without one.
-            training={"rollout_budget": preset.rollouts, "hint_fraction": 0.5},
+            # A lookup takes a call and an answer: three turns of 48 tokens are plenty.
+            training={
+                "rollout_budget": preset.rollouts,
+                "hint_fraction": 0.5,
+                "max_turns": 3,
+                "max_completion_length": 48,
+            },
             eval_seeds=preset.eval_seeds,
         ),
         evaluator=stack.evaluate,

@@ -247,8 +247,8 @@ class Improver:
                 f"{self.config.gateway_url}/v1",
                 "base",
                 agent=f"calibration:{self.config.agent}",
-                max_tokens=self.config.max_tokens,
-                max_turns=4,
+                max_tokens=self._training_config().max_completion_length,  # as training will generate
+                max_turns=self._training_config().max_turns,
                 examples=self._examples(),
                 recorder=self.recorder,
             )
