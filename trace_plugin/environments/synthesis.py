@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from trace_plugin.chat_template import content_text
+from trace_plugin.chat_template import arguments_object, content_text
 from trace_plugin.environments.spec import (
     Action,
     Check,
@@ -238,7 +238,10 @@ class Target:
         )
         contexts = Counter(json.dumps(_context(m)) for m in conversations)
         calls = [
-            (s.input if isinstance(s.input, dict) else {}, _parsed(s.output))
+            (
+                s.input if isinstance(s.input, dict) else {},
+                arguments_object(s.output),
+            )  # a JSON result, parsed
             for e in episodes
             for s in e.steps
             if s.kind == "tool" and s.error is None
@@ -253,15 +256,6 @@ def _context(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     users = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"]
     start = 1 if messages and messages[0].get("role") == "system" else 0
     return messages[start : users[-1]] if users else []
-
-
-def _parsed(value: Any) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return value
-    return value
 
 
 # -- template families ------------------------------------------------------------------
