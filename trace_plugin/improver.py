@@ -181,25 +181,23 @@ class Improver:
             return None
         evaluation = await self._job(cycle, "evaluate", "all", lambda: self._evaluate(cycle, experts))
         verdict = await self._job(cycle, "gate", "all", lambda: self._gate(evaluation))
-        deployment = self.store.deployments(agent)
-        existing = next((d for d in deployment if d.id == cycle), None)
-        if existing is None:
-            existing = Deployment(
-                cycle,
-                agent,
-                "rejected",
-                adapters=evaluation["adapters"],
-                router=evaluation["router"],
-                evaluation=evaluation,
-                reasons=verdict["reasons"],
-            )
+        # Recorded "rejected" until the deploy stage makes it live (a resumed cycle finds it).
+        deployment = next((d for d in self.store.deployments(agent) if d.id == cycle), None) or Deployment(
+            cycle,
+            agent,
+            "rejected",
+            adapters=evaluation["adapters"],
+            router=evaluation["router"],
+            evaluation=evaluation,
+            reasons=verdict["reasons"],
+        )
         if verdict["accept"]:
-            await self._job(cycle, "deploy", "all", lambda: self._deploy(existing))
+            await self._job(cycle, "deploy", "all", lambda: self._deploy(deployment))
         else:
-            self.store.save_deployment(existing)
+            self.store.save_deployment(deployment)
             self.console.log(f"[yellow]deployment {cycle} rejected: {'; '.join(verdict['reasons'])}[/]")
         self._finish(cycle, {"deployed": cycle if verdict["accept"] else None})
-        return existing if verdict["accept"] else None
+        return deployment if verdict["accept"] else None
 
     def _finish(self, cycle: str, outputs: dict[str, Any]) -> None:
         job = self.store.job(job_id(cycle, "cycle", "all")) or Job(self.config.agent, cycle, "cycle", "all")
