@@ -8,7 +8,9 @@ the real retail reward, where the base model's groups are all flat and ours drop
 (dynamic sampling), to show what that saves. Each configuration runs in its own process
 (peak RSS is per process); the first step is warm-up and not counted.
 
-    python bench/training.py [--quick]
+    python bench/grpo_training.py [--quick]
+
+(Named so that it does not shadow the ``training`` package for the other benches.)
 """
 
 from __future__ import annotations
