@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,16 +202,21 @@ def synthesize(
 
 
 def worked_hint(spec: EnvSpec) -> str:
-    """The capability's guidance plus one worked call, on a world no training seed uses."""
-    from trace_plugin.environments.interpreter import SpecEnv  # the interpreter imports this module's peers
+    """The capability's guidance plus the worked example training shows, as text."""
+    from trace_plugin.environments.interpreter import (
+        worked_example,
+    )  # the interpreter imports this module's peers
 
-    task = SpecEnv(spec).reset(-1)
     guidance = HINTS.get(spec.capability, "")
-    if not task.metadata["reference"]:
+    example = worked_example(spec)
+    if not example:
         return guidance
-    first = task.metadata["reference"][0]
-    call = json.dumps({"name": first["name"], "arguments": first["arguments"]})
-    return f"{guidance}\nExample. User: {task.prompt}\nAssistant: <tool_call>\n{call}\n</tool_call>".strip()
+    user, assistant = example
+    function = assistant["tool_calls"][0]["function"]
+    call = json.dumps({"name": function["name"], "arguments": json.loads(function["arguments"])})
+    return (
+        f"{guidance}\nExample. User: {user['content']}\nAssistant: <tool_call>\n{call}\n</tool_call>".strip()
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +265,8 @@ def _context(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # -- template families ------------------------------------------------------------------
 
-Family = Any  # Callable[[Interface], tuple[list[TaskTemplate], list[Check], list[str]]]
+# capability kind -> (templates, checks, the tools they need)
+Family = Callable[[Interface], tuple[list[TaskTemplate], list[Check], list[str]]]
 
 
 def _lookups(interface: Interface) -> tuple[list[TaskTemplate], list[Check], list[str]]:
