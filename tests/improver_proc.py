@@ -1,7 +1,12 @@
-"""A real improver process on a tiny budget, for tests that kill it (see test_improver_restarts)."""
+"""A real improver process on a tiny budget, for tests that kill it (see test_improver_restarts).
+
+An optional fourth argument names a stage after which the process stops and waits to be
+killed, so that a kill aimed at that stage cannot land after the cycle has moved on.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -10,6 +15,17 @@ from trace_plugin.recorder import Recorder
 from trace_plugin.store import Store
 
 db, gateway_url, adapter_root = sys.argv[1:4]
+pause_after = sys.argv[4] if len(sys.argv) > 4 else None
+
+
+class PausingImprover(Improver):
+    async def _job(self, cycle, stage, key, work):
+        outputs = await super()._job(cycle, stage, key, work)
+        if stage == pause_after:
+            await asyncio.sleep(3600)
+        return outputs
+
+
 config = ImproverConfig(
     agent="planted",
     gateway_url=gateway_url,
@@ -34,6 +50,6 @@ config = ImproverConfig(
     },
 )
 recorder = Recorder(db)
-deployment = Improver(Store(db), config, recorder=recorder).run_once(wait=60)
+deployment = PausingImprover(Store(db), config, recorder=recorder).run_once(wait=60)
 recorder.close()
 print("deployed", deployment.id if deployment else None, flush=True)

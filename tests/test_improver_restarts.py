@@ -20,10 +20,10 @@ pytestmark = pytest.mark.slow
 PROCESS = Path(__file__).with_name("improver_proc.py")
 
 
-def start(db: str, gateway: str, root: Path) -> subprocess.Popen:
+def start(db: str, gateway: str, root: Path, pause_after: str | None = None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     return subprocess.Popen(
-        [sys.executable, str(PROCESS), db, gateway, str(root)],
+        [sys.executable, str(PROCESS), db, gateway, str(root), *([pause_after] if pause_after else [])],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -58,7 +58,7 @@ async def test_killed_at_every_stage_the_improver_finishes_once(planted, embedde
             ("gate", "done", 0.0),
         ]
         for stage, status, after in points:
-            kill_when(store, start(store.url, gateway.url, root), stage, status, after)
+            kill_when(store, start(store.url, gateway.url, root, pause_after=stage), stage, status, after)
         final = start(store.url, gateway.url, root)
         output, _ = final.communicate(timeout=900)
         assert final.returncode == 0, output
