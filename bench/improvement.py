@@ -7,12 +7,13 @@ support agent, the retail target), after capturing train-split traffic and minin
 2. GRPO on the target: one LoRA trained on the retail train split, with the whole budget;
 3. one LoRA on the union of the synthesized environments (the paper's single-adapter ablation);
 4. TRACE: one expert per mined capability (the budget split between them), routed by the
-   base model as classifier; the learned gate is not built, so its row stays empty;
+   base model as classifier, and by a learned gate fitted on practice tasks of the
+   synthesized environments (which choice won each);
 5. the oracle: per test task, the best of the base and every expert.
 
 All rows use the same test tasks, greedy decoding, and the same total rollout budget.
-Success rates come with 95% bootstrap intervals over tasks; router accuracy is the
-classifier's agreement with the oracle's choice on tasks where one choice was strictly best.
+Success rates come with 95% bootstrap intervals over tasks; router accuracy is each
+router's agreement with the oracle's choice on tasks where one choice was strictly best.
 
     python bench/improvement.py [--quick] [--budget ROLLOUTS] [--tasks N]
 """
@@ -131,9 +132,13 @@ def main() -> None:
 
         admin = GatewayAdmin(stack.server.url)
         experts = {s.capability: adapters[s.capability] for s in specs}
-        router = router_spec(experts, store, AGENT) if experts else {"kind": "static", "adapter": None}
-        asyncio.run(admin.set_router(router, name="trace"))
-        asyncio.run(admin.set_router({"kind": "static", "adapter": None}, name="base"))
+        routers = {
+            "trace": router_spec(experts, store, AGENT) if experts else {"kind": "static", "adapter": None}
+        }
+        if experts:
+            routers["gate"] = fit_router_gate(stack, specs, experts, examples, console)
+        for name, router in [*routers.items(), ("base", {"kind": "static", "adapter": None})]:
+            asyncio.run(admin.set_router(router, name=name))
 
         def success(model: str) -> list[float]:
             results = asyncio.run(stack.evaluate(model, test))
@@ -144,12 +149,15 @@ def main() -> None:
             "grpo_target": success(adapters["grpo_target"]),
             "single_union": success(adapters["single_union"]) if specs else None,
             "trace_classifier": success("router:trace"),
-            "trace_gate": None,
+            "trace_gate": success("router:gate") if "gate" in routers else None,
         }
         by_expert = {name: success(adapters[name]) for name in experts}
         choices = [rows["base"], *by_expert.values()]
         rows["oracle"] = [max(column) for column in zip(*choices, strict=True)]
-        accuracy = router_accuracy(stack, experts, by_expert, rows["base"], test)
+        accuracy = {
+            name: router_accuracy(stack, router, experts, by_expert, rows["base"], test)
+            for name, router in routers.items()
+        }
     finally:
         stack.stop()
 
@@ -159,14 +167,14 @@ def main() -> None:
     figures: dict[str, Any] = {}
     for name, values in rows.items():
         if values is None:
-            table.add_row(name, "—", "not built" if name == "trace_gate" else "no environments")
+            table.add_row(name, "—", "no environments")
             figures[name] = None
             continue
         low, high = bootstrap(values)
         figures[name] = round(sum(values) / len(values), 4)
         table.add_row(name, f"{figures[name]:.2f}", f"[{low:.2f}, {high:.2f}]")
     console.print(table)
-    console.print(f"router accuracy against the oracle: {accuracy}")
+    console.print(f"router accuracy against the oracle (classifier, gate): {accuracy}")
     console.print(f"{time.monotonic() - started:.0f} s in all")
     plot(figures, budget, home / "improvement.png")
     console.print(f"plot: {home / 'improvement.png'}")
@@ -184,17 +192,46 @@ def main() -> None:
     )
 
 
+def fit_router_gate(
+    stack: SupportStack, specs: list[EnvSpec], experts: dict[str, str], examples: list[Any], console: Console
+) -> dict[str, Any]:
+    """A learned gate over the base and the experts, fitted on practice tasks of the
+    synthesized environments, as the improver's route stage does."""
+    from trace_plugin.environments.runner import ChatLoopAgent, Runner
+    from trace_plugin.improver import GATE_SEEDS
+    from training.experts import ExpertTrainingConfig
+    from training.gate import fit_gate
+
+    turns = ExpertTrainingConfig.preset("cpu-small").max_turns
+
+    async def play(spec: EnvSpec, model: str, seeds: list[int]) -> list[float]:
+        agent = ChatLoopAgent(
+            stack.base_url,
+            model,
+            agent="bench:gate",
+            max_turns=turns,
+            examples=examples,
+            recorder=stack.recorder,
+        )
+        runner = Runner(lambda: SpecEnv(spec), agent, concurrency=8, recorder=stack.recorder, console=console)
+        return [r.reward.total for r in await runner.run(seeds, description=f"{spec.name} as {model}")]
+
+    names = [name.split("@")[0] for name in experts.values()]
+    embed = GatewayAdmin(stack.server.url).embed
+    router, report = asyncio.run(fit_gate(specs, names, play, embed, list(GATE_SEEDS[:16])))
+    console.print(f"gate fitted on {report['tasks']} practice tasks: {report['labels']}")
+    return router
+
+
 def router_accuracy(
     stack: SupportStack,
+    spec: dict[str, Any],
     experts: dict[str, str],
     by_expert: dict[str, list[float]],
     base: list[float],
     seeds: list[int],
 ) -> float | None:
-    """How often the classifier picks the oracle's choice, where one choice was strictly best."""
-    if not experts:
-        return None
-    spec = router_spec(experts, stack.store, AGENT)
+    """How often a router picks the oracle's choice, where one choice was strictly best."""
     if spec["kind"] == "static":  # one expert takes everything: the router makes no choice
         return None
     router = router_from_spec(spec, stack.backend)
@@ -219,7 +256,7 @@ def plot(figures: dict[str, Any], budget: int, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.axhline(figures["base"], color="grey", linestyle="--", label="base (0 rollouts)")
-    for name in ("grpo_target", "single_union", "trace_classifier", "oracle"):
+    for name in ("grpo_target", "single_union", "trace_classifier", "trace_gate", "oracle"):
         if figures.get(name) is not None:
             ax.scatter([budget], [figures[name]], label=name, s=60)
     ax.set_xlabel("rollouts used")

@@ -7,6 +7,11 @@ tool template (from the same model directory's tokenizer) and sends them to vLLM
 the same tokens. Adapters go through vLLM's ``/v1/load_lora_adapter`` and
 ``/v1/unload_lora_adapter``; ``/v1/models`` tells what is loaded.
 
+A learned routing gate reads the base model's embeddings. vLLM serves those from a second
+instance of the same base model, ``vllm serve BASE --runner pooling --convert embed`` (its
+default pooling, the last token normalized, is what the embedded backend computes); pass
+its URL as ``embed_url``.
+
 Paths sent to vLLM are the gateway's resolved adapter paths: the two must share a
 filesystem (the usual single-host deployment) or mount the adapter root at the same place.
 """
@@ -35,6 +40,7 @@ class VLLMBackend:
         api_key: str | None = None,
         max_lora_rank: int = 64,
         timeout: float = 300.0,
+        embed_url: str | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -47,6 +53,7 @@ class VLLMBackend:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout)
         self.model_id = served_model or self._base_model_id(headers)
+        self.embed_url = (embed_url or self.base_url).rstrip("/")
 
     def _base_model_id(self, headers: dict[str, str]) -> str:
         try:
@@ -91,6 +98,20 @@ class VLLMBackend:
         return Completion(
             choice["text"], list(choice.get("token_ids") or []), finish, list(prompt_ids), logprobs, top
         )
+
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        url = f"{self.embed_url}/v1/embeddings"
+        try:
+            data = await self._post_json(url, {"model": self.model_id, "input": texts})
+            return [item["embedding"] for item in sorted(data["data"], key=lambda d: d["index"])]
+        except (KeyError, TypeError) as exc:
+            raise BackendError(f"{url} answered without embeddings: {exc}", 502) from exc
+        except BackendError as exc:
+            raise BackendError(
+                f"no embeddings at {url} ({exc}); serve the base model with "
+                "`vllm serve BASE --runner pooling --convert embed` and pass its URL as embed_url",
+                exc.status,
+            ) from exc
 
     async def load_adapter(self, name: str, path: Path) -> None:
         await self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})

@@ -12,6 +12,8 @@ from datetime import timedelta
 import pytest
 
 from trace_plugin.deployments import Deployment
+from trace_plugin.environments.base import RewardBreakdown
+from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.improver import Improver, ImproverConfig, gate, router_spec
 from trace_plugin.jobs import Job
 from trace_plugin.store import Store
@@ -143,3 +145,65 @@ def test_monitor_rolls_back_when_live_success_falls(sqlite_url, monkeypatch):
     assert statuses["c1"][0] == "live" and statuses["c2"][0] == "rolled_back"
     assert "fell below 0.80" in statuses["c2"][1][-1]
     assert improver.monitor() is None  # nothing older to fall back to
+
+
+@pytest.mark.slow
+async def test_a_learned_gate_is_fitted_on_practice_tasks_and_served_as_a_candidate(
+    sqlite_url, embedded_backend, tmp_path
+):
+    """Two experts: the route stage plays each choice on practice tasks (scripted here),
+    embeds the requests through the real gateway, fits the gate, and the gateway takes it."""
+    import httpx
+
+    from trace_plugin.environments.retail import RetailEnv
+    from trace_plugin.environments.runner import EpisodeResult
+    from trace_plugin.environments.synthesis import synthesize
+    from trace_plugin.experts import Expert
+    from trace_plugin.gateway.app import GatewayConfig, create_app
+    from trace_plugin.gateway.server import start_in_thread
+    from training.lora import random_adapter
+
+    store = Store(sqlite_url)
+    store.upgrade()
+    experts = {}
+    for i, capability in enumerate(("communicating_facts", "policy_refusal")):
+        spec = synthesize(capability, RetailEnv.tools, system_prompt=RetailEnv.system_prompt)
+        record = store.save_env_spec("a", spec, "validated", {})
+        expert = Expert("a", capability, record.spec.name, record.version, "embedded", "", {}, status="ready")
+        expert.adapter_path = str(random_adapter(embedded_backend.model_dir, tmp_path / capability, seed=i))
+        store.save_expert(expert)
+        experts[capability] = expert.id
+    config = GatewayConfig(adapter_root=tmp_path, agent="a", record=False)
+    with start_in_thread(create_app(embedded_backend, config=config)) as gateway:
+        improver = Improver(
+            store, ImproverConfig("a", gateway.url, tmp_path, router="gate", gate_seeds=6, eval_seeds=2)
+        )
+
+        async def scripted(spec, model, seeds):  # each expert wins its own environment's tasks
+            won = model == spec.capability
+            return [EpisodeResult(s, "k", RewardBreakdown(float(won), {}), "", "") for s in seeds]
+
+        improver._play_spec = scripted
+        routing = await improver._route(experts)
+        router = routing["router"]
+        assert router["kind"] == "gate" and router["choices"] == [
+            None,
+            "communicating_facts",
+            "policy_refusal",
+        ]
+        assert routing["gate"] == {"tasks": 12, "labels": {"communicating_facts": 6, "policy_refusal": 6}}
+        await improver.gateway.set_router(router, name="cycle-1")  # what the evaluate stage does
+        served = httpx.get(f"{gateway.url}/v1/router", params={"name": "cycle-1"}).json()
+        assert served == router
+        facts = synthesize("communicating_facts", RetailEnv.tools, system_prompt=RetailEnv.system_prompt)
+        request = SpecEnv(facts).reset(99).prompt
+        r = httpx.post(
+            f"{gateway.url}/v1/chat/completions",
+            json={
+                "model": "router:cycle-1",
+                "messages": [{"role": "user", "content": request}],
+                "max_tokens": 2,
+            },
+            timeout=120,
+        )
+        assert r.status_code == 200 and r.json()["model"].startswith("communicating_facts@")

@@ -81,6 +81,26 @@ async def test_a_crashing_agent_is_a_failed_result_not_a_crash(local_recorder):
     assert "agent fell over" in result.error and result.reward.total in (0.0, 1.0)
 
 
+async def test_a_looping_langgraph_agent_is_cut_off_after_max_turns(local_recorder):
+    def build(env):
+        def policy(messages):  # asks for the same order forever
+            n = sum(1 for m in messages if m.type == "tool")
+            return AIMessage(
+                "", tool_calls=[{"id": f"c{n}", "name": "get_order", "args": {"order_id": "#W1"}}]
+            )
+
+        graph = create_agent(ScriptedChatModel(policy=policy), environment_tools(env), system_prompt="")
+        return trace_plugin.capture(agent="looper", recorder=local_recorder)(graph)
+
+    from examples.support_agent.agent import environment_tools
+
+    [result] = await Runner(RetailEnv, LangGraphAgent(build, max_turns=3), recorder=local_recorder).run([1])
+    assert "GraphRecursionError" in result.error and result.reward.total < 1.0
+    assert local_recorder.flush(10)
+    episode = local_recorder.store.get_episode(result.episode_id)
+    assert [s.name for s in episode.steps if s.kind == "tool"] == ["get_order"] * 3
+
+
 @pytest.mark.slow
 async def test_chat_loop_agent_against_the_gateway(embedded_backend, local_recorder):
     from trace_plugin.gateway.app import GatewayConfig, create_app

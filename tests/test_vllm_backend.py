@@ -10,6 +10,7 @@ from openai import OpenAI
 
 from integrations.vllm import VLLMBackend
 from trace_plugin.gateway.app import GatewayConfig, create_app
+from trace_plugin.gateway.backend import BackendError
 from trace_plugin.gateway.embedded import EmbeddedBackend
 from trace_plugin.gateway.server import start_in_thread
 from training.lora import random_adapter
@@ -106,6 +107,53 @@ def test_runtime_lora_through_the_vllm_contract_and_hot_swap(stack):
     assert failures == [] and models[-1] == "alpha@2"
     loaded = {m["id"] for m in httpx.get(f"{inner.url}/v1/models").json()["data"]}
     assert "alpha@1" not in loaded, "the old version was unloaded from vLLM once drained"
+
+
+def test_a_learned_gate_routes_through_the_vllm_contract(stack):
+    """The gate reads the base model's embeddings from vLLM's /v1/embeddings and picks one
+    adapter per request (hard top-1), through the outer gateway."""
+    inner, outer = stack
+    texts = ["Where is my order #W1?", "I want to return a lamp."]
+    direct = httpx.post(f"{inner.url}/v1/embeddings", json={"model": "base", "input": texts}, timeout=60)
+    fronted = httpx.post(
+        f"{outer.url}/v1/embeddings", json={"model": "SmolLM2-135M-Instruct", "input": texts}, timeout=60
+    )
+    assert direct.status_code == fronted.status_code == 200, fronted.text
+    for a, b in zip(direct.json()["data"], fronted.json()["data"], strict=True):
+        assert a["embedding"] == pytest.approx(b["embedding"], abs=1e-5)
+    size = len(direct.json()["data"][0]["embedding"])
+    assert httpx.post(f"{outer.url}/v1/embeddings", json={"model": "alpha", "input": "x"}).status_code == 400
+    empty = httpx.post(f"{outer.url}/v1/embeddings", json={"model": "base", "input": [""]})
+    assert empty.status_code == 400 and "non-empty" in empty.text
+
+    r = httpx.post(
+        f"{outer.url}/v1/load_lora_adapter", json={"lora_name": "alpha@3", "lora_path": "alpha/1"}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    gate = {  # whatever the request, alpha is likelier than the base
+        "kind": "gate",
+        "choices": [None, "alpha"],
+        "weight": [[0.0] * size, [0.0] * size],
+        "bias": [0.0, 1.0],
+        "mean": [0.0] * size,
+        "scale": [1.0] * size,
+        "threshold": 0.5,
+    }
+    assert httpx.post(f"{outer.url}/v1/router", json=gate, timeout=60).status_code == 200
+    assert chat(outer.url, "default", "Tell me a fact.")["model"] == "alpha@3"
+    wrong_size = {**gate, "weight": [[0.0] * 3] * 2, "mean": [0.0] * 3, "scale": [1.0] * 3}
+    r = httpx.post(f"{outer.url}/v1/router", json=wrong_size, timeout=60)
+    assert r.status_code == 400 and "expects 3-d" in r.text
+    assert httpx.get(f"{outer.url}/v1/router").json() == gate  # the rejected gate never went live
+    httpx.post(f"{outer.url}/v1/router", json={"kind": "static", "adapter": None})
+
+
+async def test_a_vllm_without_embeddings_says_how_to_serve_them(stack):
+    inner, _ = stack
+    backend = VLLMBackend(inner.url, embed_url=inner.url + "/nowhere")
+    with pytest.raises(BackendError, match="--runner pooling"):
+        await backend.embed(["hello"])
+    await backend.close()
 
 
 def test_a_dead_vllm_is_a_clear_502_and_the_gateway_keeps_serving(tmp_path):

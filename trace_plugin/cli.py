@@ -579,6 +579,10 @@ def improve(
     rollouts: Annotated[int, typer.Option(help="GRPO rollout budget per expert.")] = 200,
     preset: Annotated[str, typer.Option(help="cpu-small or gpu")] = "cpu-small",
     ray: Annotated[str | None, typer.Option(help="Train on this Ray cluster ('auto' or an address).")] = None,
+    router: Annotated[
+        str,
+        typer.Option(help="How several experts are chosen: classifier (the base model) or gate (learned)."),
+    ] = "classifier",
     min_new_episodes: Annotated[
         int, typer.Option(help="Trigger: labeled episodes since the last cycle.")
     ] = 50,
@@ -610,6 +614,7 @@ def improve(
         min_new_episodes=min_new_episodes,
         preset=preset,
         training={"rollout_budget": rollouts},
+        router=router,
     )
     improver = Improver(_store(db), config, executor=executor, recorder=configure(db), console=console)
     try:

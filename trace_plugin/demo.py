@@ -50,7 +50,7 @@ class Preset:
 
 
 PRESETS = {
-    "quick": Preset(16, 24, 32, 1, 4, 2, 2, 8),
+    "quick": Preset(8, 24, 24, 1, 4, 2, 1, 4),
     "default": Preset(48, 96, 128, 2, 8, 4, 3, 16),
 }
 
@@ -90,7 +90,8 @@ class SupportStack:
             graph = support.build_support_agent.__wrapped__(env, base_url=base_url, model=model)
             return trace_plugin.capture(agent=EVAL_AGENT, recorder=self.recorder)(graph)
 
-        return LangGraphAgent(build, examples=support.few_shot_messages())
+        # The longest retail task takes four tool calls and an answer; one turn to spare.
+        return LangGraphAgent(build, examples=support.few_shot_messages(), max_turns=6)
 
     async def evaluate(self, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
         """The support agent on retail tasks, served as ``model``; recorded as an evaluation."""

@@ -1,6 +1,6 @@
 """The improver: an agent that gets better from its own production traffic, unattended.
 
-One cycle runs mine → synthesize → train → evaluate → gate → deploy. Every unit of work
+One cycle runs mine → synthesize → train → route → evaluate → gate → deploy. Every unit of work
 is a :class:`~trace_plugin.jobs.Job` in the store, so a process killed at any point
 resumes the same cycle where it stopped, without training or deploying anything twice:
 expert ids, adapter names and deployment ids are all derived from the cycle id. A lease
@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rich.console import Console
 
@@ -43,6 +43,7 @@ from trace_plugin.store.lease import Lease, LeaseHeld
 from trace_plugin.trajectory import new_id, utcnow
 
 HELD_OUT_SEEDS = range(3_000_000, 3_000_200)  # synthesized environments' evaluation seeds
+GATE_SEEDS = range(4_000_000, 4_000_200)  # the practice tasks a learned gate is fitted on
 TRAINING_SEEDS = range(0, 2_000)
 TRAINABLE = ("validated", "out_of_band")
 
@@ -75,6 +76,9 @@ class ImproverConfig:
     training: dict[str, Any] = field(default_factory=dict)  # ExpertTrainingConfig overrides
     train_with_examples: bool = True  # behind the agent's own few-shot context, as it is served
     model: str | None = None  # local base model dir; None is the embedded default
+    # routing: several experts are chosen by the base model as "classifier", or a learned "gate"
+    router: Literal["classifier", "gate"] = "classifier"
+    gate_seeds: int = 16  # practice tasks per environment the gate is fitted on
     # evaluation, gate, monitor
     eval_seeds: int = 16  # held-out seeds per synthesized environment
     margin: float = 0.0  # the candidate must beat the live deployment by this much on the target
@@ -179,7 +183,10 @@ class Improver:
         if not experts:
             self._finish(cycle, {"deployed": None, "reason": "nothing to train"})
             return None
-        evaluation = await self._job(cycle, "evaluate", "all", lambda: self._evaluate(cycle, experts))
+        routing = await self._job(cycle, "route", "all", lambda: self._route(experts))
+        evaluation = await self._job(
+            cycle, "evaluate", "all", lambda: self._evaluate(cycle, experts, routing)
+        )
         verdict = await self._job(cycle, "gate", "all", lambda: self._gate(evaluation))
         # Recorded "rejected" until the deploy stage makes it live (a resumed cycle finds it).
         deployment = next((d for d in self.store.deployments(agent) if d.id == cycle), None) or Deployment(
@@ -303,25 +310,52 @@ class Improver:
         self.store.save_expert(expert)
         return {"expert": expert_id, "adapter": str(output), "reward_curve": result.reward_curve}
 
-    async def _evaluate(self, cycle: str, experts: dict[str, str]) -> dict[str, Any]:
-        """Load the candidates beside the live experts and score everything through the gateway."""
+    async def _load_candidates(self, experts: dict[str, str]) -> dict[str, str]:
+        """The live experts plus this cycle's, every one loaded: capability -> served name."""
         live = self._live()
         adapters = dict(live.adapters) if live else {}
         for capability, expert_id in experts.items():
             expert = self.store.expert(expert_id)
             assert expert is not None and expert.adapter_path
-            name = f"{capability}@{expert_id[:8]}"
-            await self.gateway.ensure_adapter(name, expert.adapter_path)
-            adapters[capability] = name
-        router = router_spec(adapters, self.store, self.config.agent)
+            await self.gateway.ensure_adapter(expert.adapter_name, expert.adapter_path)
+            adapters[capability] = expert.adapter_name
+        return adapters
+
+    async def _route(self, experts: dict[str, str]) -> dict[str, Any]:
+        """The candidate router: a gate fitted to which choice (the base model or an expert)
+        won each practice task; or else one expert takes everything, several are classified."""
+        adapters = await self._load_candidates(experts)
+        if self.config.router != "gate":
+            return {"router": router_spec(adapters, self.store, self.config.agent)}
+        from training.gate import fit_gate
+
+        async def play(spec: EnvSpec, model: str, seeds: Sequence[int]) -> list[float]:
+            return [r.reward.total for r in await self._play_spec(spec, model, seeds)]
+
+        names = {capability: name.split("@")[0] for capability, name in adapters.items()}
+        router, report = await fit_gate(
+            [self._spec_of(capability, experts) for capability in names],
+            list(names.values()),
+            play,
+            self.gateway.embed,
+            list(GATE_SEEDS[: self.config.gate_seeds]),
+        )
+        self.console.log(f"gate fitted on {report['tasks']} practice tasks: {report['labels']}")
+        return {"router": router, "gate": report}
+
+    async def _evaluate(self, cycle: str, experts: dict[str, str], routing: dict[str, Any]) -> dict[str, Any]:
+        """Score the candidate router and its experts against the live deployment, through the gateway."""
+        live = self._live()
+        adapters = await self._load_candidates(experts)  # again: the gateway may have restarted
+        router = routing["router"]
         await self.gateway.set_router(router, name=cycle)
         report: dict[str, Any] = {"adapters": adapters, "router": router, "capabilities": {}}
         for capability, name in adapters.items():
             spec = self._spec_of(capability, experts)
             seeds = list(HELD_OUT_SEEDS[: self.config.eval_seeds])
-            base = await self._play_spec(spec, "base", seeds)
-            candidate = await self._play_spec(spec, name, seeds)
-            current = await self._play_spec(spec, "default", seeds) if live else base
+            base = _mean_reward(await self._play_spec(spec, "base", seeds))
+            candidate = _mean_reward(await self._play_spec(spec, name, seeds))
+            current = _mean_reward(await self._play_spec(spec, "default", seeds)) if live else base
             report["capabilities"][capability] = {"base": base, "current": current, "candidate": candidate}
             self.console.log(f"{capability}: base {base:.2f}, live {current:.2f}, candidate {candidate:.2f}")
         if self.config.target_seeds:
@@ -441,20 +475,20 @@ class Improver:
         assert record is not None
         return record.spec
 
-    async def _play_spec(self, spec: EnvSpec, model: str, seeds: Sequence[int]) -> float:
+    async def _play_spec(self, spec: EnvSpec, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
         agent = ChatLoopAgent(
             f"{self.config.gateway_url}/v1",
             model,
             agent=f"eval:{self.config.agent}",
             max_tokens=self.config.max_tokens,
+            max_turns=self._training_config().max_turns,  # the horizon the expert was trained on
             examples=self._examples(),
             recorder=self.recorder,
         )
         runner = Runner(
             lambda: SpecEnv(spec), agent, concurrency=8, recorder=self.recorder, console=self.console
         )
-        results = await runner.run(seeds, description=f"{spec.name} as {model}")
-        return sum(r.reward.total for r in results) / len(results)
+        return await runner.run(seeds, description=f"{spec.name} as {model}")
 
     async def _chat_evaluator(self, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
         """The default target evaluation: a chat loop with the agent's prompt and few-shot."""
@@ -526,6 +560,15 @@ class GatewayAdmin:
     async def set_router(self, spec: dict[str, Any], *, name: str | None = None) -> None:
         await self._request("POST", "/v1/router", json=spec, params={"name": name} if name else None)
 
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        """The served base model's embeddings (what a learned gate reads), 64 texts a request."""
+        vectors: list[list[float]] = []
+        for start in range(0, len(texts), 64):
+            body = {"model": "base", "input": texts[start : start + 64]}
+            data = await self._request("POST", "/v1/embeddings", json=body)
+            vectors += [item["embedding"] for item in sorted(data["data"], key=lambda d: d["index"])]
+        return vectors
+
     async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         import httpx
 
@@ -550,6 +593,10 @@ def _summary(results: Sequence[EpisodeResult]) -> dict[str, Any]:
         "by_kind": {k: sum(v) / len(v) for k, v in sorted(by_kind.items())},
         "episodes": [asdict(r) | {"reward": r.reward.total} for r in results],
     }
+
+
+def _mean_reward(results: Sequence[EpisodeResult]) -> float:
+    return sum(r.reward.total for r in results) / len(results)
 
 
 def _success_rate(episodes: Sequence[Any]) -> float | None:

@@ -48,14 +48,19 @@ class Agent(Protocol):
 class LangGraphAgent:
     """A (decorated) LangGraph agent built per task around that task's environment."""
 
-    def __init__(self, build: Callable[[Environment], Any], *, examples: Sequence[Any] = ()) -> None:
+    def __init__(
+        self, build: Callable[[Environment], Any], *, examples: Sequence[Any] = (), max_turns: int = 8
+    ) -> None:
         self.build = build
         self.examples = list(examples)  # few-shot messages placed before the ticket
+        self.max_turns = max_turns  # model calls per task; a looping agent fails the task instead
 
     async def solve(self, env: Environment, task: Task, episode_id: str) -> str:
         graph = self.build(env)
         config = {
-            "metadata": {"trace_episode_id": episode_id, "task_seed": task.seed, "task_kind": task.kind}
+            "metadata": {"trace_episode_id": episode_id, "task_seed": task.seed, "task_kind": task.kind},
+            # A model call and its tool calls are two graph steps; the final answer is one more.
+            "recursion_limit": 2 * self.max_turns + 1,
         }
         state = await graph.ainvoke({"messages": [*self.examples, ("user", task.prompt)]}, config=config)
         return str(state["messages"][-1].content)

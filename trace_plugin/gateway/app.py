@@ -1,11 +1,11 @@
 """The OpenAI-compatible gateway: serving, per-request expert routing, hot-swap, capture.
 
 ``create_app(backend, ...)`` returns a FastAPI app with ``/v1/chat/completions``,
-``/v1/completions``, ``/v1/models`` and ``/health``, plus vLLM's runtime LoRA admin
-endpoints. A request's ``model`` picks an adapter by name (the vLLM convention); a
-request naming the base model or the agent is routed by the router; ``base`` is always
-the base model itself, and ``router:NAME`` a candidate router. Every call is
-recorded as a step of an episode in the store.
+``/v1/completions``, ``/v1/embeddings`` (the base model's), ``/v1/models`` and
+``/health``, plus vLLM's runtime LoRA admin endpoints. A request's ``model`` picks an
+adapter by name (the vLLM convention); a request naming the base model or the agent is
+routed by the router; ``base`` is always the base model itself, and ``router:NAME`` a
+candidate router. Every call is recorded as a step of an episode in the store.
 """
 
 from __future__ import annotations
@@ -31,10 +31,17 @@ from trace_plugin.gateway.backend import Backend, BackendError, Completion, Samp
 from trace_plugin.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     LoadAdapterRequest,
     UnloadAdapterRequest,
 )
-from trace_plugin.gateway.routing import Router, RouterSpecError, StaticRouter, router_from_spec
+from trace_plugin.gateway.routing import (
+    Router,
+    RouterSpecError,
+    StaticRouter,
+    referenced_adapters,
+    router_from_spec,
+)
 from trace_plugin.recorder import Recorder
 from trace_plugin.tool_calls import parse_completion
 from trace_plugin.tracer import Tracer
@@ -297,6 +304,19 @@ def create_app(
             return StreamingResponse(_stream_completion(response), media_type="text/event-stream")
         return JSONResponse(response, headers={ADAPTER_HEADER: served or ""})
 
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+        """The base model's embeddings (last token, normalized): what a learned gate reads."""
+        if body.model not in {backend.model_id, BASE_MODEL}:
+            raise GatewayError(400, f"embeddings come from the base model {backend.model_id!r} only")
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        try:
+            vectors = await backend.embed(texts)
+        except BackendError as exc:
+            raise GatewayError(exc.status, str(exc), "server_error") from exc
+        data = [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)]
+        return {"object": "list", "data": data, "model": backend.model_id}
+
     # -- runtime LoRA administration (vLLM's API shapes) ---------------------------------
 
     def check_admin(request: Request) -> None:
@@ -359,11 +379,15 @@ def create_app(
             new = router_from_spec(spec, backend)
         except (json.JSONDecodeError, RouterSpecError, AttributeError) as exc:
             raise GatewayError(400, f"bad router spec: {exc}") from exc
-        names = {spec.get("adapter"), spec.get("default")} | {e["adapter"] for e in spec.get("experts", [])}
-        names |= {adapter for _, adapter in spec.get("rules", [])}
-        missing = sorted(n for n in names - {None} if n not in registry.listing())
+        missing = sorted(n for n in referenced_adapters(new.spec) if n not in registry.listing())
         if missing:
             raise GatewayError(409, f"router names adapters that are not loaded: {missing}")
+        try:  # one decision before it takes traffic: a gate that cannot read embeddings fails here
+            await new.route([{"role": "user", "content": "Hello."}], None)
+        except RouterSpecError as exc:
+            raise GatewayError(400, f"bad router spec: {exc}") from exc
+        except BackendError as exc:
+            raise GatewayError(502, f"the router cannot decide: {exc}", "server_error") from exc
         if name is None:
             app.state.router = new
         else:

@@ -77,6 +77,9 @@ class EmbeddedBackend:
         await queue.put(_Request(prompt, params, adapter, future))
         return await future
 
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        return await asyncio.to_thread(self._embed, texts)
+
     async def load_adapter(self, name: str, path: Path) -> None:
         await asyncio.to_thread(self._load_adapter, name, Path(path))
 
@@ -178,6 +181,21 @@ class EmbeddedBackend:
                 text_of = self.tokenizer.convert_tokens_to_string
                 top.append({text_of([t]): float(v) for t, v in zip(tokens, values, strict=True)})
         return Completion(text, ids, finish, prompt_ids, logprobs, top)
+
+    def _embed(self, texts: list[str]) -> list[list[float]]:
+        import contextlib
+
+        import torch
+
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True)
+        # The index of each row's last real token, whichever side the padding is on.
+        last = (enc.attention_mask * torch.arange(enc.attention_mask.shape[1])).argmax(dim=1)
+        with self._torch, torch.inference_mode():
+            frozen = self.model.disable_adapter() if self._adapters else contextlib.nullcontext()
+            with frozen:
+                out = self.model(**enc, output_hidden_states=True, logits_to_keep=1)
+        states = out.hidden_states[-1][torch.arange(len(texts)), last]
+        return torch.nn.functional.normalize(states.float(), dim=-1).tolist()
 
     def _generate_group(self, requests: list[_Request], params: SamplingParams) -> list[list[Completion]]:
         prompts = [r.prompt for r in requests for _ in range(params.n)]

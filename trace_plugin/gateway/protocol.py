@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_TOKENS = 4096
 MAX_N = 8
+MAX_EMBEDDING_INPUTS = 256
 
 
 class _Lenient(BaseModel):
@@ -110,6 +111,21 @@ class CompletionRequest(_Sampling):
 
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
+
+
+class EmbeddingRequest(_Lenient):
+    model: str
+    input: str | list[str] = Field(min_length=1)
+
+    @field_validator("input")
+    @classmethod
+    def _bounded(cls, value: str | list[str]) -> str | list[str]:
+        texts = [value] if isinstance(value, str) else value
+        if len(texts) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request")
+        if any(not text for text in texts):
+            raise ValueError("inputs must be non-empty strings")
+        return value
 
 
 class LoadAdapterRequest(_Lenient):

@@ -9,7 +9,11 @@ and rolled back like an adapter:
 - ``{"kind": "static", "adapter": NAME | null}``;
 - ``{"kind": "keyword", "rules": [[[WORDS], NAME]], "default": NAME | null}``;
 - ``{"kind": "classifier", "experts": [{"adapter", "name", "description"}], "threshold"}``:
-  the TRACE paper's base model as classifier.
+  the TRACE paper's base model as classifier;
+- ``{"kind": "gate", "choices": [NAME | null], "weight", "bias", "mean", "scale", "threshold"}``:
+  a learned mixture-of-experts gate over the base model's embedding of the request
+  (trained by ``training.gate``), hard top-1. Its weights live in the spec, so a gate is
+  versioned and rolled back like any router.
 """
 
 from __future__ import annotations
@@ -77,6 +81,26 @@ class ExpertChoice:
     description: str
 
 
+class _Decisions:
+    """Routing decisions by request text: every turn of a conversation gets one expert."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._cache: OrderedDict[str, str | None] = OrderedDict()
+        self.size = size
+
+    def get(self, request: str) -> tuple[bool, str | None]:
+        key = hashlib.sha256(request.encode()).hexdigest()
+        if key not in self._cache:
+            return False, None
+        self._cache.move_to_end(key)
+        return True, self._cache[key]
+
+    def put(self, request: str, choice: str | None) -> None:
+        self._cache[hashlib.sha256(request.encode()).hexdigest()] = choice
+        if len(self._cache) > self.size:
+            self._cache.popitem(last=False)
+
+
 class ClassifierRouter:
     """The base model as classifier (TRACE): one forward pass scores a letter per expert.
 
@@ -102,8 +126,7 @@ class ClassifierRouter:
         self.backend, self.experts = backend, list(experts)
         self.threshold = threshold
         self.letters = [chr(ord("A") + i) for i in range(len(self.experts))]
-        self._cache: OrderedDict[str, str | None] = OrderedDict()
-        self._cache_size = cache_size
+        self._decisions = _Decisions(cache_size)
         self.spec = {
             "kind": "classifier",
             "experts": [
@@ -136,10 +159,9 @@ class ClassifierRouter:
 
     async def route(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
         request = _last_user(messages)
-        key = hashlib.sha256(request.encode()).hexdigest()
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
+        known, choice = self._decisions.get(request)
+        if known:
+            return choice
         [completion] = await self.backend.generate(
             self.prompt(request), SamplingParams(max_tokens=1, top_logprobs=20), None
         )
@@ -149,9 +171,78 @@ class ClassifierRouter:
             letter = max(probabilities, key=probabilities.__getitem__)
             if letter != self.NONE and probabilities[letter] >= self.threshold:
                 choice = self.experts[self.letters.index(letter)].adapter
-        self._cache[key] = choice
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+        self._decisions.put(request, choice)
+        return choice
+
+
+def gate_input(request: str) -> str:
+    """What the gate embeds: the request in a frame that asks for the skill it needs, so
+    the last token's hidden state summarizes that (one place, for training and serving)."""
+    return f"Customer request: {request[:1000]}\nThe skill this request needs most is"
+
+
+class GateRouter:
+    """A learned gate: softmax(W · standardized embedding + b) over the base and the experts.
+
+    Hard top-1, as vLLM serves one adapter per request; below ``threshold`` the request
+    goes to the base model. ``choices[i]`` is the adapter for class i (None: the base).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        choices: Sequence[str | None],
+        weight: Sequence[Sequence[float]],
+        bias: Sequence[float],
+        mean: Sequence[float],
+        scale: Sequence[float],
+        *,
+        threshold: float = 0.0,
+        cache_size: int = 4096,
+    ) -> None:
+        if len(choices) < 2 or not (len(choices) == len(weight) == len(bias)):
+            raise RouterSpecError("a gate needs one weight row and bias per choice, two choices or more")
+        if any(len(row) != len(mean) for row in weight) or len(scale) != len(mean):
+            raise RouterSpecError("gate weight rows, mean and scale must have the embedding's size")
+        if any(s <= 0 for s in scale):
+            raise RouterSpecError("gate scales must be positive")
+        self.backend, self.choices = backend, list(choices)
+        self.weight, self.bias = [list(map(float, row)) for row in weight], list(map(float, bias))
+        self.mean, self.scale = list(map(float, mean)), list(map(float, scale))
+        self.threshold = threshold
+        self._decisions = _Decisions(cache_size)
+        self.spec = {
+            "kind": "gate",
+            "choices": self.choices,
+            "weight": self.weight,
+            "bias": self.bias,
+            "mean": self.mean,
+            "scale": self.scale,
+            "threshold": threshold,
+        }
+
+    def probabilities(self, embedding: Sequence[float]) -> list[float]:
+        if len(embedding) != len(self.mean):
+            raise RouterSpecError(f"the gate expects {len(self.mean)}-d embeddings, got {len(embedding)}")
+        x = [(v - m) / s for v, m, s in zip(embedding, self.mean, self.scale, strict=True)]
+        logits = [
+            sum(w * v for w, v in zip(row, x, strict=True)) + b
+            for row, b in zip(self.weight, self.bias, strict=True)
+        ]
+        top = max(logits)
+        exps = [math.exp(v - top) for v in logits]
+        return [e / sum(exps) for e in exps]
+
+    async def route(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
+        request = _last_user(messages)
+        known, choice = self._decisions.get(request)
+        if known:
+            return choice
+        [embedding] = await self.backend.embed([gate_input(request)])
+        probabilities = self.probabilities(embedding)
+        best = max(range(len(probabilities)), key=probabilities.__getitem__)
+        choice = self.choices[best] if probabilities[best] >= self.threshold else None
+        self._decisions.put(request, choice)
         return choice
 
 
@@ -170,9 +261,26 @@ def router_from_spec(spec: dict[str, Any], backend: Backend) -> Router:
                 ExpertChoice(e["adapter"], e["name"], e.get("description", "")) for e in spec["experts"]
             ]
             return ClassifierRouter(backend, experts, threshold=float(spec.get("threshold", 0.5)))
+        if kind == "gate":
+            parts = ("weight", "bias", "mean", "scale")
+            return GateRouter(
+                backend,
+                spec["choices"],
+                *(spec[k] for k in parts),
+                threshold=float(spec.get("threshold", 0.0)),
+            )
+    except RouterSpecError:
+        raise
     except (KeyError, TypeError, ValueError) as exc:
         raise RouterSpecError(f"bad {kind} router spec: {exc}") from None
-    raise RouterSpecError(f"unknown router kind {kind!r}; known: static, keyword, classifier")
+    raise RouterSpecError(f"unknown router kind {kind!r}; known: static, keyword, classifier, gate")
+
+
+def referenced_adapters(spec: dict[str, Any]) -> set[str]:
+    """Every adapter a (valid) router spec can send requests to."""
+    names = {spec.get("adapter"), spec.get("default"), *spec.get("choices", ())}
+    names |= {e["adapter"] for e in spec.get("experts", ())} | {a for _, a in spec.get("rules", ())}
+    return {n for n in names if n is not None}
 
 
 def _last_user(messages: list[dict[str, Any]]) -> str:

@@ -1,0 +1,139 @@
+"""The learned mixture-of-experts gate: which expert (or the base) should serve a request.
+
+TRACE's second composition: a small gate on the frozen base model's hidden state, trained
+on evaluation rollouts. For each practice task, every choice (the base model and each
+expert) is played; the task's label is the choice that scored best (:func:`oracle_choices`).
+The gate is a multinomial logistic regression over standardized embeddings of the
+request (:func:`trace_plugin.gateway.routing.gate_input`, embedded by the serving backend),
+so it is cheap to train on CPU, and its weights fit in the router spec that deployments
+store. At inference it is hard top-1 (:class:`~trace_plugin.gateway.routing.GateRouter`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from trace_plugin.environments.interpreter import SpecEnv
+from trace_plugin.environments.spec import EnvSpec
+from trace_plugin.gateway.routing import gate_input
+
+
+@dataclass
+class GateConfig:
+    """How the gate is fitted.
+
+    Args:
+        epochs: full-batch passes of Adam; the data is a few hundred rows at most.
+        learning_rate: Adam's step size.
+        weight_decay: L2 penalty; the embedding has hundreds of dimensions and the
+            labels are few, so the gate must stay simple.
+        threshold: the routed probability below which a request goes to the base model.
+        seed: for the initialization.
+    """
+
+    epochs: int = 300
+    learning_rate: float = 0.05
+    weight_decay: float = 1e-2
+    threshold: float = 0.0
+    seed: int = 0
+
+
+def oracle_choices(scores: Mapping[str | None, Sequence[float]]) -> list[str | None]:
+    """Per task, the choice that scored best; ties go to the base model (None) when it is
+    among the best, since it needs no adapter, else to the first best in ``scores``' order."""
+    names = list(scores)
+    columns = list(zip(*(scores[n] for n in names), strict=True))
+    best: list[str | None] = []
+    for column in columns:
+        top = max(column)
+        winners = [n for n, v in zip(names, column, strict=True) if v == top]
+        best.append(None if None in winners else winners[0])
+    return best
+
+
+class GateTrainer:
+    """Fits a gate to (embedding, best choice) pairs; ``train`` returns its router spec."""
+
+    def __init__(self, config: GateConfig | None = None) -> None:
+        self.config = config or GateConfig()
+
+    def train(
+        self,
+        embeddings: Sequence[Sequence[float]],
+        labels: Sequence[str | None],
+        choices: Sequence[str | None],
+    ) -> dict[str, Any]:
+        import torch
+
+        if len(embeddings) != len(labels) or not embeddings:
+            raise ValueError("the gate needs one label per embedding, and at least one of each")
+        if None not in choices or len(choices) < 2:
+            raise ValueError("the gate chooses between the base model (None) and at least one expert")
+        unknown = set(labels) - set(choices)
+        if unknown:
+            raise ValueError(f"labels that are not choices: {sorted(map(str, unknown))}")
+        torch.manual_seed(self.config.seed)
+        x = torch.tensor([list(e) for e in embeddings], dtype=torch.float32)
+        y = torch.tensor([list(choices).index(label) for label in labels])
+        mean, scale = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-6)
+        x = (x - mean) / scale
+        layer = torch.nn.Linear(x.shape[1], len(choices))
+        optimizer = torch.optim.Adam(
+            layer.parameters(), lr=self.config.learning_rate, weight_decay=self.config.weight_decay
+        )
+        for _ in range(self.config.epochs):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(layer(x), y)
+            loss.backward()
+            optimizer.step()
+        return {
+            "kind": "gate",
+            "choices": list(choices),
+            "weight": _rounded(layer.weight),
+            "bias": _rounded(layer.bias),
+            "mean": _rounded(mean),
+            "scale": _rounded(scale),
+            "threshold": self.config.threshold,
+        }
+
+
+def _rounded(tensor: Any) -> Any:
+    """Six significant digits: a gate's spec is stored as JSON with every deployment."""
+    values = tensor.detach().tolist()
+    if isinstance(values, list) and values and isinstance(values[0], list):
+        return [[float(f"{v:.6g}") for v in row] for row in values]
+    return [float(f"{v:.6g}") for v in values]
+
+
+Play = Callable[[EnvSpec, str, Sequence[int]], Awaitable[list[float]]]
+Embed = Callable[[list[str]], Awaitable[list[list[float]]]]
+
+
+async def fit_gate(
+    specs: Sequence[EnvSpec],
+    adapters: Sequence[str],
+    play: Play,
+    embed: Embed,
+    seeds: Sequence[int],
+    config: GateConfig | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Play the base model and every adapter on ``seeds`` of every environment, label each
+    task with its best choice, and fit a gate to the tasks' requests.
+
+    ``play(spec, model, seeds)`` returns one reward per seed (``model`` is ``"base"`` or an
+    adapter name); ``embed`` is the serving backend's. Returns the router spec and a report.
+    """
+    choices: list[str | None] = [None, *adapters]
+    scores: dict[str | None, list[float]] = {choice: [] for choice in choices}
+    requests: list[str] = []
+    for spec in specs:
+        for choice in choices:
+            scores[choice] += await play(spec, choice or "base", seeds)
+        requests += [SpecEnv(spec).reset(seed).prompt for seed in seeds]
+    labels = oracle_choices(scores)
+    router = GateTrainer(config).train(await embed([gate_input(r) for r in requests]), labels, choices)
+    counts = Counter("base" if label is None else label for label in labels)
+    return router, {"tasks": len(labels), "labels": dict(counts)}
