@@ -76,6 +76,8 @@ def test_gate_accepts_only_a_clear_improvement_without_regressions():
     }
     verdict = gate(regress, margin=0.05, tolerance=0.05)
     assert not verdict["accept"] and verdict["reasons"] == ["refusal regresses: 0.70 against the live 0.80"]
+    tie = {**better, "target": {"current": {"success": 0.25}, "candidate": {"success": 0.25}}}
+    assert "does not beat" in gate(tie, margin=0.0, tolerance=0.05)["reasons"][0]  # its experts improved
     flat = {"capabilities": {"fmt": {"base": 0.3, "current": 0.3, "candidate": 0.3}}}
     assert gate(flat, margin=0.0, tolerance=0.05)["reasons"] == [
         "no capability improved on its held-out seeds"

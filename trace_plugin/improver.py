@@ -9,7 +9,7 @@ keeps a second improver for the same agent out.
 Nothing unsafe is deployed. Candidates are loaded into the gateway beside the live
 experts and evaluated through it (a candidate router answers as ``router:CYCLE``), on the
 target's held-out tasks and on held-out seeds of every synthesized environment; only a
-deployment that beats the current one by ``margin`` with no capability regressing beyond
+deployment that beats the current one by more than ``margin``, no capability regressing beyond
 ``tolerance`` takes the traffic. Between cycles, :meth:`Improver.monitor` compares the
 live success rate with the previous deployment's and rolls back when it fell.
 """
@@ -81,7 +81,7 @@ class ImproverConfig:
     gate_seeds: int = 16  # practice tasks per environment the gate is fitted on
     # evaluation, gate, monitor
     eval_seeds: int = 16  # held-out seeds per synthesized environment
-    margin: float = 0.0  # the candidate must beat the live deployment by this much on the target
+    margin: float = 0.0  # the candidate must beat the live one on the target by more than this
     tolerance: float = 0.05  # no capability may fall more than this
     retrain_below: float = 0.9  # a covered capability is retrained only when its expert scores below
     monitor_window: int = 50  # episodes compared when monitoring
@@ -509,13 +509,13 @@ class Improver:
 
 
 def gate(evaluation: dict[str, Any], *, margin: float, tolerance: float) -> dict[str, Any]:
-    """Accept only a deployment that beats the live one on the target by ``margin`` and lets
-    no capability fall more than ``tolerance``; the reasons say why not."""
+    """Accept only a deployment that beats the live one on the target by more than
+    ``margin`` and lets no capability fall more than ``tolerance``; the reasons say why not."""
     reasons = []
     target = evaluation.get("target")
     if target is not None:
         current, candidate = target["current"]["success"], target["candidate"]["success"]
-        if candidate < current + margin:
+        if candidate - current <= margin:
             reasons.append(f"target success {candidate:.2f} does not beat the live {current:.2f} by {margin}")
     for capability, scores in evaluation["capabilities"].items():
         if scores["candidate"] < scores["current"] - tolerance:
