@@ -119,7 +119,7 @@ def start_proxy_in_thread(
 
     import uvicorn
 
-    from mcp_server.transport import http_app
+    from mcp_server.transport import http_app, run
 
     port = free_port()
     holder: dict[str, Any] = {}
@@ -139,7 +139,7 @@ def start_proxy_in_thread(
         finally:
             ready.set()
 
-    thread = threading.Thread(target=lambda: asyncio.run(main()), name=f"mcp-proxy-{port}", daemon=True)
+    thread = threading.Thread(target=lambda: run(main()), name=f"mcp-proxy-{port}", daemon=True)
     thread.start()
     if not ready.wait(timeout) or "server" not in holder or not holder["server"].started:
         raise RuntimeError(f"the MCP proxy did not start (upstream {upstream!r})")

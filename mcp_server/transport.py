@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
 
 from mcp.server.lowlevel import Server
 from starlette.applications import Starlette
@@ -21,6 +22,20 @@ class _ClientHungUp(logging.Filter):
 
 
 logging.getLogger("mcp.server.streamable_http").addFilter(_ClientHungUp())
+
+
+T = TypeVar("T")
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on uvloop where it is installed (the ``mcp`` extra installs it): an MCP
+    hop is mostly event-loop and HTTP-parsing work, which uvloop and httptools halve."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
 
 
 async def serve_stdio(server: Server) -> None:

@@ -226,14 +226,12 @@ def envs_serve(
     db: DbOption = None,
 ) -> None:
     """Serve an environment over MCP (each session gets its own instance)."""
-    import asyncio
-
     from mcp_server.environments import build_server
-    from mcp_server.transport import serve_http, serve_stdio
+    from mcp_server.transport import run, serve_http, serve_stdio
     from trace_plugin.recorder import configure
 
     server = build_server(name, _environment(name, db), recorder=configure(db))
-    asyncio.run(serve_stdio(server) if transport == "stdio" else serve_http(server, host, port))
+    run(serve_stdio(server) if transport == "stdio" else serve_http(server, host, port))
 
 
 @app.command("mcp-proxy")
@@ -248,21 +246,20 @@ def mcp_proxy(
     db: DbOption = None,
 ) -> None:
     """Sit between an MCP client and an MCP server, recording every tool call."""
-    import asyncio
 
     from mcp_server.proxy import build_proxy, connect
-    from mcp_server.transport import serve_http, serve_stdio
+    from mcp_server.transport import run, serve_http, serve_stdio
     from trace_plugin.recorder import configure
 
     recorder = configure(db)
 
-    async def run() -> None:
+    async def proxy() -> None:
         target = upstream[0] if len(upstream) == 1 and upstream[0].startswith("http") else upstream
         async with connect(target) as session:
             server = build_proxy(session, agent=agent, recorder=recorder)
             await (serve_stdio(server) if transport == "stdio" else serve_http(server, host, port))
 
-    asyncio.run(run())
+    run(proxy())
 
 
 capabilities_app = typer.Typer(help="Capabilities mined from an agent's episodes.", no_args_is_help=True)
