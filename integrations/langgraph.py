@@ -23,6 +23,7 @@ from langchain_core.runnables import Runnable
 from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tracers.context import register_configure_hook
 
+from trace_plugin.conversations import served_by
 from trace_plugin.payload import Lazy
 from trace_plugin.tracer import ActiveEpisode, Tracer
 from trace_plugin.trajectory import Step, StepKind, utcnow
@@ -211,6 +212,7 @@ class TraceCallbackHandler(BaseCallbackHandler):
             final: Any = generation.message
             output: Any = Lazy(to_openai_json, final)
             usage = getattr(final, "usage_metadata", None) or {}
+            self._note_serving(run_id, (final.response_metadata or {}).get("system_fingerprint"))
         else:
             final = output = generation.text if generation is not None else None
         token_usage = (response.llm_output or {}).get("token_usage") or {}
@@ -221,6 +223,13 @@ class TraceCallbackHandler(BaseCallbackHandler):
             prompt_tokens=usage.get("input_tokens") or token_usage.get("prompt_tokens"),
             completion_tokens=usage.get("output_tokens") or token_usage.get("completion_tokens"),
         )
+
+    def _note_serving(self, run_id: UUID, system_fingerprint: str | None) -> None:
+        """Behind our gateway, the answer names the adapter and router version that served it."""
+        served = served_by(system_fingerprint)
+        run = self._runs.get(run_id)
+        if served is not None and run is not None:
+            run.episode.router, run.episode.adapter = served
 
     def on_llm_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         self._close(run_id, error=error)

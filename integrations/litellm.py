@@ -24,7 +24,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price-list d
 
 from litellm.integrations.custom_logger import CustomLogger  # noqa: E402
 
-from trace_plugin.conversations import ConversationEpisodes, ModelCall  # noqa: E402
+from trace_plugin.conversations import ConversationEpisodes, ModelCall, served_by  # noqa: E402
 from trace_plugin.recorder import Recorder  # noqa: E402
 from trace_plugin.tracer import Tracer  # noqa: E402
 
@@ -91,6 +91,7 @@ class TraceLogger(CustomLogger):
             metadata = (kwargs.get("litellm_params") or {}).get("metadata") or {}
             optional = kwargs.get("optional_params") or {}
             reply, usage = None, {}
+            router, adapter = served_by(getattr(response, "system_fingerprint", None)) or (None, None)
             if response is not None and getattr(response, "choices", None):
                 reply = response.choices[0].message.model_dump(exclude_none=True)
                 usage = getattr(response, "usage", None) or {}
@@ -102,6 +103,8 @@ class TraceLogger(CustomLogger):
                     reply=reply,
                     tools=optional.get("tools") or kwargs.get("tools"),
                     episode_id=metadata.get("trace_episode_id"),
+                    adapter=adapter,
+                    router=router,
                     error=error,
                     prompt_tokens=getattr(usage, "prompt_tokens", None),
                     completion_tokens=getattr(usage, "completion_tokens", None),

@@ -15,7 +15,7 @@ from openai import OpenAI
 from trace_plugin import Recorder
 from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.embedded import EmbeddedBackend
-from trace_plugin.gateway.routing import KeywordRouter
+from trace_plugin.gateway.routing import KeywordRouter, router_version
 from trace_plugin.gateway.server import start_in_thread
 from training.lora import random_adapter
 
@@ -510,6 +510,7 @@ def test_a_decorated_langgraph_agent_on_chatopenai_is_captured_twice_consistentl
         """Look up an order."""
         return f"order {order_id} is pending"
 
+    ensure_loaded(gateway, "beta@1", "beta/1")
     model = ChatOpenAI(
         base_url=gateway.url + "/v1",
         api_key="unused",
@@ -520,7 +521,7 @@ def test_a_decorated_langgraph_agent_on_chatopenai_is_captured_twice_consistentl
     )
     local = Recorder(sqlite_url)
     agent = trace_plugin.capture(agent="lg-agent", recorder=local)(create_agent(model, [get_order]))
-    state = agent.invoke({"messages": [("user", "Where is order W5?")]})
+    state = agent.invoke({"messages": [("user", "I want to return order W5. Where is it?")]})
     assert state["messages"][-1].type == "ai"
 
     assert local.flush(10) and gateway.recorder.flush(10)
@@ -533,4 +534,8 @@ def test_a_decorated_langgraph_agent_on_chatopenai_is_captured_twice_consistentl
     for ours, theirs in zip(llm_steps, sorted(served_steps, key=lambda s: s.started_at), strict=True):
         assert (ours.output.get("content") or "") == (theirs.output.get("content") or "")
         assert ours.input["messages"][-1]["content"] == theirs.input["messages"][-1]["content"]
+    # both recordings say which adapter served it and which router version chose it
+    keyword = router_version(httpx.get(f"{gateway.url}/v1/router").json())
+    assert (decorated.adapter, decorated.router) == ("beta@1", keyword)
+    assert {(e.adapter, e.router) for e in served} == {("beta@1", keyword)}
     local.close()

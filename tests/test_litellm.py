@@ -7,6 +7,7 @@ import pytest
 from integrations.litellm import TraceLogger
 from trace_plugin import Recorder
 from trace_plugin.gateway.app import GatewayConfig, create_app
+from trace_plugin.gateway.routing import router_version
 from trace_plugin.gateway.server import start_in_thread
 
 litellm = pytest.importorskip("litellm")
@@ -54,6 +55,8 @@ def test_completion_is_recorded(gateway, embedded_backend, logger):
     assert step.output["content"] == response.choices[0].message.content
     assert step.prompt_tokens == response.usage.prompt_tokens and step.latency_ms > 0
     assert episode.status == "completed"
+    # the gateway's answer says which router version chose which adapter (here: the base)
+    assert (episode.router, episode.adapter) == (router_version({"kind": "static", "adapter": None}), None)
 
 
 async def test_acompletion_grouped_by_episode_id(gateway, embedded_backend, logger):

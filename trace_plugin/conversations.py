@@ -52,6 +52,24 @@ def prefix_digests(messages: list[dict[str, Any]]) -> list[bytes]:
     return digests
 
 
+_FINGERPRINT = "trace-plugin"
+
+
+def fingerprint(router: str | None, adapter: str | None) -> str:
+    """The gateway's ``system_fingerprint``: OpenAI's field for "the configuration that
+    served this", which client libraries keep (LangChain's ``response_metadata``)."""
+    return f"{_FINGERPRINT}/{router or '-'}/{adapter or '-'}"
+
+
+def served_by(system_fingerprint: str | None) -> tuple[str | None, str | None] | None:
+    """(router version, adapter) from a fingerprint of ours; None for anyone else's."""
+    parts = (system_fingerprint or "").split("/", 2)
+    if len(parts) != 3 or parts[0] != _FINGERPRINT:
+        return None
+    router, adapter = (None if part == "-" else part for part in parts[1:])
+    return router, adapter
+
+
 @dataclass(slots=True)
 class ModelCall:
     """One chat-completion call as a capture source saw it (OpenAI message format)."""
@@ -63,6 +81,7 @@ class ModelCall:
     tools: list[dict[str, Any]] | None = None
     episode_id: str | None = None
     adapter: str | None = None
+    router: str | None = None  # the version of the router that chose ``adapter``
     output: Any = None  # what to store as the step's output; defaults to ``reply``
     error: str | None = None
     prompt_tokens: int | None = None
@@ -122,7 +141,11 @@ class ConversationEpisodes:
             return self._by_id[episode_id]
         tracer = self._tracer_for(call.agent)
         active = tracer.start_episode(
-            {"messages": call.messages}, episode_id=episode_id, model=call.model, adapter=call.adapter
+            {"messages": call.messages},
+            episode_id=episode_id,
+            model=call.model,
+            adapter=call.adapter,
+            router=call.router,
         )
         self._remember(self._by_id, active.id, (tracer, active))
         return tracer, active

@@ -30,6 +30,8 @@ class ActiveEpisode:
 
     id: str
     model: str | None = None
+    adapter: str | None = None  # set when the serving side reports it, written at the end
+    router: str | None = None
     _seq: itertools.count = field(default_factory=itertools.count)
 
     def next_seq(self) -> int:
@@ -71,6 +73,7 @@ class Tracer:
         metadata: dict[str, Any] | None = None,
         model: str | None = None,
         adapter: str | None = None,
+        router: str | None = None,
     ) -> ActiveEpisode:
         episode = Episode(
             id=episode_id or new_id(),
@@ -79,10 +82,11 @@ class Tracer:
             input=input,
             model=model,
             adapter=adapter,
+            router=router,
             metadata={**self.metadata, **(metadata or {})},
         )
         self.recorder.submit(episode, self.policy)
-        return ActiveEpisode(episode.id, model=model)
+        return ActiveEpisode(episode.id, model=model, adapter=adapter, router=router)
 
     def record_step(self, step: Step) -> None:
         self.recorder.submit(step, self.policy)
@@ -123,6 +127,8 @@ class Tracer:
             reward=reward,
             error=error,
             model=active.model,
+            adapter=active.adapter,
+            router=active.router,
         )
         self.recorder.submit(end, self.policy)
         if self.on_episode is not None:

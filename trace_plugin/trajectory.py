@@ -67,7 +67,8 @@ class Episode:
     label: str | None = None
     error: str | None = None
     model: str | None = None
-    adapter: str | None = None
+    adapter: str | None = None  # the LoRA adapter that served it (name@version), None: the base
+    router: str | None = None  # the version of the router that chose it (``router_version``)
     started_at: datetime = field(default_factory=utcnow)
     ended_at: datetime | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -85,6 +86,8 @@ class EpisodeEnd:
     label: str | None = None
     error: str | None = None
     model: str | None = None
+    adapter: str | None = None  # learned during the episode (a gateway's answer says it)
+    router: str | None = None
     ended_at: datetime = field(default_factory=utcnow)
 
 

@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from trace_plugin.conversations import ConversationEpisodes, ModelCall
+from trace_plugin.conversations import ConversationEpisodes, ModelCall, fingerprint
 from trace_plugin.gateway.adapters import AdapterError, AdapterRegistry
 from trace_plugin.gateway.backend import Backend, BackendError, Completion, SamplingParams
 from trace_plugin.gateway.protocol import (
@@ -41,6 +41,7 @@ from trace_plugin.gateway.routing import (
     StaticRouter,
     referenced_adapters,
     router_from_spec,
+    router_version,
 )
 from trace_plugin.recorder import Recorder
 from trace_plugin.tool_calls import parse_completion
@@ -167,12 +168,13 @@ def create_app(
 
     async def select(
         model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-    ) -> str | None:
-        """The adapter name a request asks for, or that the router picks; None is the base."""
+    ) -> tuple[str | None, str | None]:
+        """The adapter name a request asks for, or that the router picks (None is the base),
+        and the version of the router that picked it (None when the request named it)."""
         if model in registry.listing():
-            return model
+            return model, None
         if model == BASE_MODEL:
-            return None
+            return None, None
         routed = model in {backend.model_id, config.agent, "default", *config.agent_aliases}
         candidate = (
             app.state.candidates.get(model.removeprefix(ROUTER_PREFIX))
@@ -180,10 +182,11 @@ def create_app(
             else None
         )
         if routed or candidate is not None:
+            router = candidate or app.state.router
             start = time.perf_counter()
-            choice = await (candidate or app.state.router).route(messages, tools)
+            choice = await router.route(messages, tools)
             app.state.routing_seconds += time.perf_counter() - start
-            return choice if choice in registry.listing() else None
+            return (choice if choice in registry.listing() else None), router_version(router.spec)
         raise GatewayError(404, f"model {model!r} does not exist", "invalid_request_error", "model_not_found")
 
     async def generate(
@@ -206,7 +209,7 @@ def create_app(
         messages = [m.to_openai() for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         offered = tools if body.tool_choice != "none" else None
-        adapter = await select(body.model, messages, offered)
+        adapter, router = await select(body.model, messages, offered)
         params = _sampling(body, body.max_completion_tokens or body.max_tokens)
         try:
             prompt = backend.render(messages, offered)
@@ -225,13 +228,15 @@ def create_app(
             if body.return_token_ids:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
-        response = _envelope("chat.completion", served or backend.model_id, choices, completions)
+        response = _envelope(
+            "chat.completion", served or backend.model_id, choices, completions, fingerprint(router, served)
+        )
         if body.return_token_ids:
             response["prompt_token_ids"] = completions[0].prompt_token_ids
         episode_id = None
         if config.record:
             episode_id = record_call(
-                request, body, messages, tools, served, response, completions, started, t0
+                request, body, messages, tools, served, router, response, completions, started, t0
             )
         headers = {ADAPTER_HEADER: served or "", **({EPISODE_HEADER: episode_id} if episode_id else {})}
         if body.stream:
@@ -244,6 +249,7 @@ def create_app(
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         served: str | None,
+        router: str | None,
         response: dict[str, Any],
         completions: list[Completion],
         started: Any,
@@ -266,6 +272,7 @@ def create_app(
                 tools=tools,
                 episode_id=request.headers.get(EPISODE_HEADER) or meta.get("trace_episode_id"),
                 adapter=served,
+                router=router,
                 output=choices[0] if len(choices) == 1 else {"choices": choices},
                 prompt_tokens=response["usage"]["prompt_tokens"],
                 completion_tokens=response["usage"]["completion_tokens"],
@@ -280,7 +287,7 @@ def create_app(
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if not prompts:
             raise GatewayError(400, "prompt must not be empty")
-        adapter = await select(body.model, [{"role": "user", "content": prompts[0]}], None)
+        adapter, router = await select(body.model, [{"role": "user", "content": prompts[0]}], None)
         params = replace(_sampling(body, body.max_tokens or 16), top_logprobs=body.logprobs or 0)
         results: list[Completion] = []
         served = None
@@ -299,7 +306,9 @@ def create_app(
                 choice["token_ids"] = c.token_ids
                 choice["prompt_token_ids"] = c.prompt_token_ids
             choices.append(choice)
-        response = _envelope("text_completion", served or backend.model_id, choices, results)
+        response = _envelope(
+            "text_completion", served or backend.model_id, choices, results, fingerprint(router, served)
+        )
         if body.stream:
             return StreamingResponse(_stream_completion(response), media_type="text/event-stream")
         return JSONResponse(response, headers={ADAPTER_HEADER: served or ""})
@@ -432,7 +441,11 @@ def _sampling(body: Any, max_tokens: int | None) -> SamplingParams:
 
 
 def _envelope(
-    kind: str, model: str, choices: list[dict[str, Any]], completions: list[Completion]
+    kind: str,
+    model: str,
+    choices: list[dict[str, Any]],
+    completions: list[Completion],
+    system_fingerprint: str,
 ) -> dict[str, Any]:
     prompt_tokens = len(completions[0].prompt_token_ids) if completions else 0
     completion_tokens = sum(len(c.token_ids) for c in completions)
@@ -442,6 +455,7 @@ def _envelope(
         "object": kind,
         "created": int(time.time()),
         "model": model,
+        "system_fingerprint": system_fingerprint,
         "choices": choices,
         "usage": {
             "prompt_tokens": prompt_tokens,
@@ -483,7 +497,8 @@ def _sse(data: dict[str, Any] | str) -> str:
 
 async def _stream_chat(response: dict[str, Any]) -> AsyncIterator[str]:
     """The finished response as OpenAI stream chunks: role, content, tool calls, finish."""
-    base = {k: response[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    base = {k: response[k] for k in ("id", "created", "model", "system_fingerprint")}
+    base |= {"object": "chat.completion.chunk"}
     for choice in response["choices"]:
         i, message = choice["index"], choice["message"]
         yield _sse(
@@ -508,7 +523,8 @@ async def _stream_chat(response: dict[str, Any]) -> AsyncIterator[str]:
 
 
 async def _stream_completion(response: dict[str, Any]) -> AsyncIterator[str]:
-    base = {k: response[k] for k in ("id", "created", "model")} | {"object": "text_completion"}
+    base = {k: response[k] for k in ("id", "created", "model", "system_fingerprint")}
+    base |= {"object": "text_completion"}
     for choice in response["choices"]:
         yield _sse(base | {"choices": [choice]})
     yield _sse("[DONE]")

@@ -19,6 +19,7 @@ and rolled back like an adapter:
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 from collections import OrderedDict
@@ -231,7 +232,8 @@ class GateRouter:
         ]
         top = max(logits)
         exps = [math.exp(v - top) for v in logits]
-        return [e / sum(exps) for e in exps]
+        total = sum(exps)
+        return [e / total for e in exps]
 
     async def route(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
         request = _last_user(messages)
@@ -274,6 +276,11 @@ def router_from_spec(spec: dict[str, Any], backend: Backend) -> Router:
     except (KeyError, TypeError, ValueError) as exc:
         raise RouterSpecError(f"bad {kind} router spec: {exc}") from None
     raise RouterSpecError(f"unknown router kind {kind!r}; known: static, keyword, classifier, gate")
+
+
+def router_version(spec: dict[str, Any]) -> str:
+    """A router's version: the digest of its spec, recorded on every episode it routed."""
+    return "r-" + hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def referenced_adapters(spec: dict[str, Any]) -> set[str]:

@@ -450,6 +450,8 @@ _END_EPISODE = (
         label=func.coalesce(bindparam("b_label", type_=t.String()), t.episodes.c.label),
         error=bindparam("b_error", type_=t.Text()),
         model=func.coalesce(bindparam("b_model", type_=t.String()), t.episodes.c.model),
+        adapter=func.coalesce(bindparam("b_adapter", type_=t.String()), t.episodes.c.adapter),
+        router=func.coalesce(bindparam("b_router", type_=t.String()), t.episodes.c.router),
         ended_at=bindparam("b_ended_at", type_=t.Timestamp),
     )
 )
@@ -515,6 +517,8 @@ def _end_row(r: EpisodeEnd | Feedback) -> dict[str, Any]:
         "b_label": r.label,
         "b_error": r.error,
         "b_model": r.model,
+        "b_adapter": r.adapter,
+        "b_router": r.router,
         "b_ended_at": r.ended_at,
     }
 

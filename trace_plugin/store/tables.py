@@ -55,6 +55,7 @@ episodes = Table(
     Column("error", Text),
     Column("model", String(200)),
     Column("adapter", String(200)),
+    Column("router", String(64)),
     Column("started_at", Timestamp, nullable=False),
     Column("ended_at", Timestamp),
     Column("metadata", Json),
