@@ -361,3 +361,56 @@ def test_rewards_with_signal_move_the_adapter(tmp_path):
     weights = load_file(result.adapter_dir / ADAPTER_WEIGHTS)
     # PEFT starts every lora_B at zero: a non-zero one means a gradient reached the adapter.
     assert any(t.abs().sum() > 0 for name, t in weights.items() if "lora_B" in name)
+
+
+@pytest.mark.slow
+def test_the_shared_prompt_loss_pass_equals_trls_in_values_and_gradients():
+    """Two groups of three rollouts and a dropped group's stubs, left-padded as TRL pads them:
+    running each prompt once gives the log-probs, entropies and LoRA gradients of TRL's pass."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from trl.trainer.utils import add_fused_lm_head
+
+    from trace_plugin.model_files import load_model
+    from training.experts import shared_prefix_logps
+
+    model, _ = load_model(resolve_model())
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    add_fused_lm_head(model.get_base_model(), temperature=0.7, outputs=("log_probs", "entropy"))
+    torch.manual_seed(0)
+    prompts = [torch.randint(100, 2000, (n,)) for n in (30, 24)]
+    rows, masks = [], []
+    for prompt in prompts:
+        for ended in (6, 5, 4):  # completion tokens before the right padding
+            completion = torch.randint(100, 2000, (6,))
+            pad = 30 - len(prompt)
+            rows.append(torch.cat([torch.zeros(pad, dtype=torch.long), prompt, completion]))
+            mask = torch.cat([torch.zeros(pad), torch.ones(len(prompt)), torch.ones(6)]).long()
+            mask[30 + ended :] = 0
+            masks.append(mask)
+    for _ in range(2):  # a dropped group's stubs: one prompt token, one completion token
+        rows.append(torch.tensor([0] * 29 + [7, 5] + [0] * 5))
+        masks.append(torch.tensor([0] * 29 + [1, 1] + [0] * 5))
+    order = [0, 3, 6, 1, 4, 2, 7, 5]  # groups interleaved: the result keeps the rows' order
+    input_ids, attention_mask = torch.stack(rows)[order], torch.stack(masks)[order]
+
+    def reference():
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, :-6] = -100
+        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+        return out.log_probs[:, -6:], out.entropy[:, -6:]
+
+    def grads(logps):
+        model.zero_grad()
+        (logps * torch.linspace(-1, 1, logps.numel()).view_as(logps)).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    expected, expected_entropy = reference()
+    ours, entropy = shared_prefix_logps(model, input_ids, attention_mask, 6, compute_entropy=True)
+    assert ours.shape == expected.shape == (8, 6) and not ours.isnan().any()
+    assert torch.allclose(ours, expected, atol=1e-4) and torch.allclose(entropy, expected_entropy, atol=1e-4)
+    g_expected, g_ours = grads(expected), grads(ours)
+    assert g_expected.keys() == g_ours.keys() and any(g.abs().sum() > 0 for g in g_ours.values())
+    for name in g_expected:  # float32 sums in another order: equal up to rounding
+        error = (g_ours[name] - g_expected[name]).norm() / g_expected[name].norm().clamp_min(1e-12)
+        assert error < 1e-4, (name, float(error))

@@ -101,6 +101,9 @@ class ExpertTrainingConfig:
     backend: Literal["transformers", "vllm"] = "transformers"  # who generates the rollouts
     bf16: bool = False
     gradient_checkpointing: bool = False
+    # The loss pass runs a group's shared prompt once (``shared_prefix_logps``); it needs the
+    # key/value cache, which gradient checkpointing turns off.
+    share_prompt: bool = True
     vllm_gpu_memory_utilization: float = 0.3  # colocated vLLM's share of GPU memory
 
     def __post_init__(self) -> None:
@@ -113,6 +116,8 @@ class ExpertTrainingConfig:
             )
         if not 0.0 <= self.hint_fraction <= 1.0:
             raise ValueError("hint_fraction must be in [0, 1]")
+        if self.share_prompt and self.gradient_checkpointing:
+            raise ValueError("share_prompt needs the key/value cache, which gradient checkpointing disables")
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> ExpertTrainingConfig:
@@ -133,6 +138,7 @@ class ExpertTrainingConfig:
                 "backend": "vllm",
                 "bf16": True,
                 "gradient_checkpointing": True,
+                "share_prompt": False,
             },
         }
         if name not in presets:
@@ -479,6 +485,95 @@ def _flat(group: list[Episode]) -> bool:
     return len({e.reward for e in group}) == 1
 
 
+# -- the loss pass --------------------------------------------------------------------------------
+
+
+def shared_prefix_logps(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    compute_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probabilities of the completions, as TRL's loss pass computes them, but
+    with each distinct prompt run through the model once instead of once per rollout.
+
+    A group's rollouts share their (un-hinted) prompt, which is most of every sequence, and
+    the forward and backward passes over it are most of a CPU step. Rows with equal prompts
+    run the prompt (less its last token) once; its key/value cache is repeated per row, and
+    the rows continue from the prompt's last token through their completions with TRL's
+    fused log-prob head. Positions and masks are those of the full sequences, and gradients
+    flow back through the shared cache into the LoRA weights of the prompt pass.
+    """
+    from peft import PeftModel
+
+    unwrapped = model.get_base_model() if isinstance(model, PeftModel) else model
+    backbone = unwrapped.get_decoder()
+    cut = input_ids.size(1) - logits_to_keep - 1  # the shared part: the prompt less its last token
+    if cut < 1:  # one-token prompts (dropped groups' stubs): nothing to share
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, :-logits_to_keep] = -100
+        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+        entropy = out.entropy[:, -logits_to_keep:] if compute_entropy else None
+        return out.log_probs[:, -logits_to_keep:], entropy
+    groups: dict[bytes, list[int]] = {}
+    for row in range(input_ids.size(0)):
+        key = input_ids[row, :cut].cpu().numpy().tobytes() + attention_mask[row, :cut].cpu().numpy().tobytes()
+        groups.setdefault(key, []).append(row)
+    order: list[int] = []
+    logps, entropies = [], []
+    for rows in groups.values():
+        cache = backbone(
+            input_ids=input_ids[rows[:1], :cut], attention_mask=attention_mask[rows[:1], :cut], use_cache=True
+        ).past_key_values
+        cache.batch_repeat_interleave(len(rows))
+        tail = input_ids[rows, cut:]
+        labels = tail.masked_fill(attention_mask[rows, cut:] == 0, -100)
+        out = model(
+            input_ids=tail,
+            attention_mask=attention_mask[rows],
+            past_key_values=cache,
+            labels=labels,
+            fused_lm_head=True,
+        )
+        order += rows
+        logps.append(out.log_probs)
+        if compute_entropy:
+            entropies.append(out.entropy)
+    inverse = torch.argsort(torch.tensor(order))
+    return torch.cat(logps)[inverse], torch.cat(entropies)[inverse] if compute_entropy else None
+
+
+def _shared_prefix_trainer() -> type:
+    """TRL's ``GRPOTrainer`` with :func:`shared_prefix_logps` as its loss pass (text only)."""
+    from trl import GRPOTrainer
+
+    class SharedPrefixGRPOTrainer(GRPOTrainer):
+        def _get_per_token_logps_and_entropies(
+            self,
+            model: Any,
+            input_ids: torch.Tensor,
+            attention_mask: torch.Tensor,
+            logits_to_keep: int,
+            batch_size: int | None = None,
+            compute_entropy: bool = False,
+            compute_aux_loss: bool = False,
+            **multimodal: Any,
+        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+            if compute_aux_loss or any(v is not None for v in multimodal.values()):
+                return super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                    compute_aux_loss, **multimodal,
+                )  # fmt: skip
+            with self.accelerator.autocast():
+                logps, entropies = shared_prefix_logps(
+                    model, input_ids, attention_mask, logits_to_keep, compute_entropy
+                )
+            return logps, entropies, None
+
+    return SharedPrefixGRPOTrainer
+
+
 # -- training ---------------------------------------------------------------------------------------
 
 
@@ -605,7 +700,7 @@ class ExpertTrainer:
         dataset = Dataset.from_dict({"prompt": [json.dumps({"seed": s}) for s in self.seeds]})
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*rollout_func.*experimental")
-            trainer = GRPOTrainer(
+            trainer = (_shared_prefix_trainer() if config.share_prompt else GRPOTrainer)(
                 model=model,
                 reward_funcs=rollouts.env_reward,
                 args=config.grpo_config(self.work_dir),
