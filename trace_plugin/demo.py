@@ -51,7 +51,7 @@ class Preset:
 
 PRESETS = {
     "quick": Preset(8, 24, 24, 1, 4, 2, 1, 4),
-    "default": Preset(32, 64, 64, 2, 4, 2, 2, 8),
+    "default": Preset(24, 48, 64, 2, 4, 2, 2, 8),
 }
 
 
