@@ -9,8 +9,8 @@ keeps a second improver for the same agent out.
 Nothing unsafe is deployed. Candidates are loaded into the gateway beside the live
 experts and evaluated through it (a candidate router answers as ``router:CYCLE``), on the
 target's held-out tasks and on held-out seeds of every synthesized environment; only a
-deployment that beats the current one by more than ``margin``, no capability regressing beyond
-``tolerance`` takes the traffic. Between cycles, :meth:`Improver.monitor` compares the
+deployment that beats the current one by more than ``margin``, with no capability
+regressing beyond ``tolerance``, takes the traffic. Between cycles, :meth:`Improver.monitor` compares the
 live success rate with the previous deployment's and rolls back when it fell.
 """
 
