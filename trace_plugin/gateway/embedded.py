@@ -10,6 +10,7 @@ an adapter never races a generation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import weakref
 from collections import defaultdict
@@ -183,8 +184,6 @@ class EmbeddedBackend:
         return Completion(text, ids, finish, prompt_ids, logprobs, top)
 
     def _embed(self, texts: list[str]) -> list[list[float]]:
-        import contextlib
-
         import torch
 
         enc = self.tokenizer(texts, return_tensors="pt", padding=True)
