@@ -9,7 +9,7 @@ import pytest
 from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv
 from trace_plugin.environments.synthesis import synthesize
-from trace_plugin.gateway.routing import GateRouter, RouterSpecError, gate_input, router_from_spec
+from trace_plugin.gateway.routing import RouterSpecError, gate_input, router_from_spec
 from training.gate import GateConfig, GateTrainer, fit_gate, oracle_choices
 
 
@@ -107,9 +107,7 @@ async def test_a_gate_on_the_real_base_models_hidden_state_routes_held_out_reque
     assert again[0] == pytest.approx(embeddings[0], abs=1e-5)  # batching and padding change nothing
 
     spec = GateTrainer().train(embeddings, train_labels, [None, "lookup@1", "returns@1"])
-    gate = GateRouter(
-        embedded_backend, **{k: spec[k] for k in ("choices", "weight", "bias", "mean", "scale")}
-    )
+    gate = router_from_spec(spec, embedded_backend)
     right = [
         await gate.route(ask(text), None) == label for text, label in zip(test_text, test_labels, strict=True)
     ]
