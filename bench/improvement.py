@@ -42,6 +42,7 @@ from trace_plugin.environments.interpreter import SpecEnv  # noqa: E402
 from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv  # noqa: E402
 from trace_plugin.environments.spec import EnvSpec  # noqa: E402
 from trace_plugin.environments.synthesis import Target  # noqa: E402
+from trace_plugin.gateway.adapters import split_name  # noqa: E402
 from trace_plugin.gateway.routing import router_from_spec  # noqa: E402
 from trace_plugin.improver import TRAINING_SEEDS, GatewayAdmin, router_spec  # noqa: E402
 from trace_plugin.mining.miner import OfflineMiner  # noqa: E402
@@ -217,7 +218,7 @@ def fit_router_gate(
         runner = Runner(lambda: SpecEnv(spec), agent, concurrency=8, recorder=stack.recorder, console=console)
         return [r.reward.total for r in await runner.run(seeds, description=f"{spec.name} as {model}")]
 
-    names = [name.split("@")[0] for name in experts.values()]
+    names = [split_name(name)[0] for name in experts.values()]
     embed = GatewayAdmin(stack.server.url).embed
     router, report = asyncio.run(fit_gate(specs, names, play, embed, list(GATE_SEEDS[:16])))
     console.print(f"gate fitted on {report['tasks']} practice tasks: {report['labels']}")
@@ -236,7 +237,7 @@ def router_accuracy(
     if spec["kind"] == "static":  # one expert takes everything: the router makes no choice
         return None
     router = router_from_spec(spec, stack.backend)
-    options = [None, *(name.split("@")[0] for name in experts.values())]  # what the router answers
+    options = [None, *(split_name(name)[0] for name in experts.values())]  # what the router answers
     agreed = counted = 0
     for i, seed in enumerate(seeds):
         scores = [base[i], *(by_expert[c][i] for c in experts)]

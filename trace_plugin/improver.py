@@ -35,6 +35,7 @@ from trace_plugin.environments.spec import EnvSpec
 from trace_plugin.environments.synthesis import Target
 from trace_plugin.environments.validation import Band
 from trace_plugin.experts import Expert
+from trace_plugin.gateway.adapters import split_name
 from trace_plugin.jobs import Job, job_id
 from trace_plugin.mining.miner import OfflineMiner, outcome
 from trace_plugin.recorder import Recorder, default_recorder
@@ -332,7 +333,7 @@ class Improver:
         async def play(spec: EnvSpec, model: str, seeds: Sequence[int]) -> list[float]:
             return [r.reward.total for r in await self._play_spec(spec, model, seeds)]
 
-        names = {capability: name.split("@")[0] for capability, name in adapters.items()}
+        names = {capability: split_name(name)[0] for capability, name in adapters.items()}
         router, report = await fit_gate(
             [self._spec_of(capability, experts) for capability in names],
             list(names.values()),
@@ -529,7 +530,7 @@ def gate(evaluation: dict[str, Any], *, margin: float, tolerance: float) -> dict
 
 def router_spec(adapters: dict[str, str], store: Store, agent: str) -> dict[str, Any]:
     """One expert takes every request; several are chosen by the base model as classifier."""
-    names = {capability: name.split("@")[0] for capability, name in adapters.items()}
+    names = {capability: split_name(name)[0] for capability, name in adapters.items()}
     if len(names) == 1:
         return {"kind": "static", "adapter": next(iter(names.values()))}
     descriptions = {c.name: c.description for c in store.capabilities(agent)}
