@@ -83,6 +83,8 @@ class VLLMBackend:
             body["seed"] = params.seed
         if params.stop:
             body["stop"] = list(params.stop)
+        if params.bad_words:
+            body["bad_words"] = list(params.bad_words)
         if params.logprobs or params.top_logprobs:
             body["logprobs"] = params.top_logprobs
         data = await self._post_json("/v1/completions", body)

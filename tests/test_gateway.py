@@ -13,6 +13,7 @@ from load import swap_under_load
 from openai import OpenAI
 
 from trace_plugin import Recorder
+from trace_plugin.environments.retail import TEST_SEEDS, RetailEnv
 from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.embedded import EmbeddedBackend
 from trace_plugin.gateway.routing import KeywordRouter, router_version
@@ -204,6 +205,46 @@ def test_a_stop_string_ends_generation_there(client):
     )  # it stopped generating, not just cut
 
 
+def retail_ticket() -> tuple[list[dict], list[dict]]:
+    """The support agent's first request on a retail ticket: policy, tools, few-shot, ticket."""
+    from langchain_core.messages import convert_to_openai_messages
+
+    from examples.support_agent.agent import few_shot_messages
+
+    env = RetailEnv()
+    task = env.reset(TEST_SEEDS[0])
+    examples = convert_to_openai_messages(few_shot_messages())
+    return [
+        {"role": "system", "content": env.system_prompt},
+        *examples,
+        {"role": "user", "content": task.prompt},
+    ], env.tools
+
+
+def test_a_reply_may_not_write_the_tools_answer(client, gateway, backend):
+    """Given worked examples, SmolLM2 opens its reply with the template's tool-response marker
+    (inventing the tool's answer); a chat reply may not, so it calls a tool instead."""
+    messages, tools = retail_ticket()
+    raw = {
+        "model": backend.model_id,
+        "prompt": backend.render(messages, tools),
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    free = httpx.post(gateway.url + "/v1/completions", json=raw, timeout=120).json()["choices"][0]["text"]
+    assert free.startswith("<tool_response>")  # raw completions leave the model be
+    banned = httpx.post(
+        gateway.url + "/v1/completions", json={**raw, "bad_words": ["<tool_response"]}, timeout=120
+    ).json()["choices"][0]["text"]
+    assert "<tool_response" not in banned  # vLLM's bad_words, honoured by the embedded backend
+    reply = client.chat.completions.create(
+        model=backend.model_id, messages=messages, tools=tools, temperature=0, max_tokens=60
+    )
+    message = reply.choices[0].message
+    assert message.tool_calls and reply.choices[0].finish_reason == "tool_calls", message
+    assert "<tool_response" not in (message.content or "")
+
+
 def test_n_choices_and_tool_choice_none(client, backend):
     messages = [{"role": "user", "content": "Where is W1?"}]
     sampled = client.chat.completions.create(
@@ -278,6 +319,15 @@ def test_logprobs_and_token_ids(client, backend):
             },
             400,
             "name",
+        ),
+        (
+            {
+                "model": "SmolLM2-135M-Instruct",
+                "messages": [{"role": "user", "content": "hi"}],
+                "bad_words": [""],
+            },
+            400,
+            "bad_words",
         ),
         ({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
     ],

@@ -76,6 +76,20 @@ async def test_top_logprobs_through_the_vllm_contract(stack):
     await backend.close()
 
 
+async def test_bad_words_reach_the_model_server(stack):
+    """The gateway's ban on writing a tool's answer must hold when vLLM generates."""
+    from trace_plugin.gateway.backend import SamplingParams
+
+    inner, _ = stack
+    backend = VLLMBackend(inner.url)
+    prompt = backend.render([{"role": "user", "content": "Say: hello hello hello"}], None)
+    [free] = await backend.generate(prompt, SamplingParams(max_tokens=8), None)
+    word = free.text.split()[0]
+    [banned] = await backend.generate(prompt, SamplingParams(max_tokens=8, bad_words=(word,)), None)
+    assert word and word not in banned.text and banned.token_ids != free.token_ids
+    await backend.close()
+
+
 def test_runtime_lora_through_the_vllm_contract_and_hot_swap(stack):
     inner, outer = stack
     r = httpx.post(

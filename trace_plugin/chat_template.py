@@ -16,6 +16,14 @@ from typing import Any
 
 TOOL_CHAT_TEMPLATE = resources.files("trace_plugin").joinpath("templates/tool_chatml.jinja").read_text()
 
+# Text no assistant turn may produce: the template's marker for a tool's answer, which is
+# the user side's to write. Given worked examples, SmolLM2-135M opens almost every reply by
+# imitating it (inventing the tool's answer) instead of calling the tool: 0 of 16 retail
+# tickets drew a tool call, against 11 of 16 with it forbidden. Serving and training both
+# forbid it (transformers' ``bad_words_ids``, vLLM's ``bad_words``), so a policy is trained
+# under the decoding it is served with.
+REPLY_FORBIDDEN: tuple[str, ...] = ("<tool_response",)
+
 
 def to_template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI chat messages in the form the template expects.
@@ -44,6 +52,11 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str,
         add_generation_prompt=True,
         tokenize=False,
     )
+
+
+def forbidden_token_ids(tokenizer: Any, words: tuple[str, ...] = REPLY_FORBIDDEN) -> list[list[int]]:
+    """``words`` as token sequences for transformers' ``bad_words_ids``."""
+    return [tokenizer(word, add_special_tokens=False).input_ids for word in words]
 
 
 def content_text(content: Any) -> str:

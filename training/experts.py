@@ -56,7 +56,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import GenerationConfig, PrinterCallback, TrainerCallback
 
-from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE, render
+from trace_plugin.chat_template import REPLY_FORBIDDEN, TOOL_CHAT_TEMPLATE, forbidden_token_ids, render
 from trace_plugin.environments.base import Environment, Task, ToolCall
 from trace_plugin.model_files import load_model, resolve_model
 from trace_plugin.tool_calls import parse_completion
@@ -213,6 +213,7 @@ class ExpertTrainingConfig:
             use_vllm=vllm,
             vllm_mode="colocate",
             vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization,
+            generation_kwargs={"bad_words": list(REPLY_FORBIDDEN)} if vllm else None,
             # Our rollouts return no sampling log-probs (hinted ones were sampled under another prompt).
             vllm_importance_sampling_correction=False,
         )
@@ -345,6 +346,7 @@ def hf_generate(
         max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        bad_words_ids=forbidden_token_ids(tokenizer),  # decode as the gateway serves
         **(sampling if temperature is not None else {"do_sample": False}),
     )
 

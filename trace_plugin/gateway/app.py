@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from trace_plugin.chat_template import REPLY_FORBIDDEN
 from trace_plugin.conversations import ConversationEpisodes, ModelCall, fingerprint
 from trace_plugin.gateway.adapters import AdapterError, AdapterRegistry
 from trace_plugin.gateway.backend import Backend, BackendError, Completion, SamplingParams
@@ -210,7 +211,8 @@ def create_app(
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         offered = tools if body.tool_choice != "none" else None
         adapter, router = await select(body.model, messages, offered)
-        params = _sampling(body, body.max_completion_tokens or body.max_tokens)
+        # The reply is an assistant turn of the template we rendered: it may not write a tool's answer.
+        params = _sampling(body, body.max_completion_tokens or body.max_tokens, forbidden=REPLY_FORBIDDEN)
         try:
             prompt = backend.render(messages, offered)
         except Exception as exc:  # a template that cannot render these messages
@@ -428,7 +430,7 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _sampling(body: Any, max_tokens: int | None) -> SamplingParams:
+def _sampling(body: Any, max_tokens: int | None, forbidden: tuple[str, ...] = ()) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens or 256,
         temperature=body.temperature,
@@ -436,6 +438,7 @@ def _sampling(body: Any, max_tokens: int | None) -> SamplingParams:
         n=body.n,
         seed=body.seed,
         stop=body.stops(),
+        bad_words=(*forbidden, *(body.bad_words or ())),
         logprobs=body.wants_logprobs(),
     )
 

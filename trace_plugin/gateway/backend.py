@@ -21,6 +21,7 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    bad_words: tuple[str, ...] = ()  # text the completion must never contain (vLLM's ``bad_words``)
     logprobs: bool = False
     top_logprobs: int = 0  # also return this many most likely tokens at each position
 

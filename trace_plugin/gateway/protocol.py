@@ -8,13 +8,15 @@ request gets a 400 that says which field is wrong.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_TOKENS = 4096
 MAX_N = 8
 MAX_EMBEDDING_INPUTS = 256
+
+Word = Annotated[str, Field(min_length=1, max_length=200)]
 
 
 class _Lenient(BaseModel):
@@ -86,6 +88,7 @@ class _Sampling(_Lenient):
     stop: str | list[str] | None = None
     seed: int | None = None
     return_token_ids: bool = False  # vLLM >= 0.10.2: prompt and completion token ids
+    bad_words: list[Word] | None = Field(None, max_length=32)  # vLLM's: text the output must never contain
     metadata: dict[str, Any] | None = None
 
     def stops(self) -> tuple[str, ...]:
