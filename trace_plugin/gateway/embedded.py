@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trace_plugin.chat_template import render
+from trace_plugin.chat_template import forbidden_token_ids, render
 from trace_plugin.gateway.backend import BackendError, Completion, SamplingParams
+from trace_plugin.gateway.prefix_cache import Ids, PrefixCache
 from trace_plugin.model_files import load_model, resolve_model
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -43,6 +44,7 @@ class EmbeddedBackend:
         max_batch: int = 8,
         batch_window_s: float = 0.005,
         max_lora_rank: int = 64,
+        prefix_cache: int = 8,
     ) -> None:
         self.model_dir = resolve_model(model)
         self.model_id = self.model_dir.name
@@ -54,6 +56,11 @@ class EmbeddedBackend:
         if not isinstance(self._eos_id, int) or self._eos_id == self.tokenizer.unk_token_id:
             self._eos_id = self.tokenizer.eos_token_id
         self._adapters: dict[str, Path] = {}
+        # vLLM-style automatic prefix caching: this many prefixes' keys and values (0: off).
+        # Prefixes end at a turn of the shared ChatML template.
+        turn = self.tokenizer.convert_tokens_to_ids("<|im_start|>")
+        usable = prefix_cache and isinstance(turn, int) and turn != self.tokenizer.unk_token_id
+        self.prefix_cache = PrefixCache(turn, capacity=prefix_cache) if usable else None
         self._torch = threading.Lock()
         self._workers: weakref.WeakKeyDictionary[
             asyncio.AbstractEventLoop, tuple[asyncio.Queue, asyncio.Task]
@@ -132,7 +139,7 @@ class EmbeddedBackend:
         """One ``generate`` call over ``prompts``, row i through ``adapters[i]``."""
         import torch
 
-        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        rows = [tuple(ids) for ids in self.tokenizer(prompts, add_special_tokens=False).input_ids]
         kwargs: dict[str, Any] = {
             "max_new_tokens": params.max_tokens,
             "do_sample": params.temperature > 0,
@@ -143,6 +150,8 @@ class EmbeddedBackend:
         }
         if params.stop:  # stop generating there, not just cut the text afterwards
             kwargs.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
+        if params.bad_words:
+            kwargs["bad_words_ids"] = forbidden_token_ids(self.tokenizer, params.bad_words)
         if params.temperature > 0:
             kwargs.update(temperature=params.temperature, top_p=params.top_p)
         else:  # greedy: silence sampling defaults from generation_config
@@ -150,15 +159,74 @@ class EmbeddedBackend:
         if self._adapters:
             kwargs["adapter_names"] = [a or BASE for a in adapters]
         with self._torch, torch.inference_mode():
+            skip, cache = self._cached_prefix(rows, adapters)
+            if cache is not None:
+                kwargs["cache"] = cache
+            # Each row: its cached prefix, left padding, then the tokens still to run.
+            width = max(map(len, rows))
+            input_ids = torch.tensor(
+                [[*ids[:skip], *[kwargs["pad_token_id"]] * (width - len(ids)), *ids[skip:]] for ids in rows]
+            )
+            mask = torch.tensor(
+                [[1] * skip + [0] * (width - len(ids)) + [1] * (len(ids) - skip) for ids in rows]
+            )
             if params.seed is not None:
                 torch.manual_seed(params.seed)
-            out = self.model.generate(**enc, **kwargs)
-        prompt_len = enc.input_ids.shape[1]
-        completions = []
-        for row, sequence in enumerate(out.sequences):
-            prompt_ids = enc.input_ids[row][enc.attention_mask[row].bool()].tolist()
-            completions.append(self._completion(sequence[prompt_len:].tolist(), prompt_ids, out, row, params))
-        return completions
+            out = self.model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
+        return [
+            self._completion(sequence[width:].tolist(), list(ids), out, row, params)
+            for row, (sequence, ids) in enumerate(zip(out.sequences, rows, strict=True))
+        ]
+
+    def _cached_prefix(self, rows: list[Ids], adapters: list[str | None]) -> tuple[int, Any]:
+        """The prefix length every row can skip, and its keys and values as one batch cache.
+
+        Each row takes its longest cached prefix, first extending or building the entry when
+        the row shares a longer one with its batch or a recent prompt. The batch skips the
+        shortest of the rows' prefixes (0, and no cache, when a row has none).
+        """
+        if self.prefix_cache is None:
+            return 0, None
+        import torch
+        from transformers import DynamicCache
+
+        found = []
+        for i, (ids, adapter) in enumerate(zip(rows, adapters, strict=True)):
+            entry = self.prefix_cache.longest(adapter, ids)
+            wanted = self.prefix_cache.wanted(ids, rows[:i] + rows[i + 1 :])
+            if wanted > (len(entry[0]) if entry else 0):
+                entry = (ids[:wanted], self._prefill(ids[:wanted], adapter, entry))
+                self.prefix_cache.put(adapter, *entry)
+            found.append(entry)
+        for ids in rows:
+            self.prefix_cache.seen(ids)
+        stats = self.prefix_cache.stats
+        stats.lookups += len(rows)
+        if any(entry is None for entry in found):
+            return 0, None
+        skip = min(len(prefix) for prefix, _ in found)
+        stats.hits += len(rows)
+        stats.tokens_reused += skip * len(rows)
+        layers = [
+            tuple(torch.cat([kv[layer][part][:, :, :skip] for _, kv in found]) for part in (0, 1))
+            for layer in range(len(found[0][1]))
+        ]
+        return skip, DynamicCache(ddp_cache_data=layers, config=self.model.config)
+
+    def _prefill(
+        self, prefix: Ids, adapter: str | None, base: tuple[Ids, Any] | None
+    ) -> list[tuple[Any, Any]]:
+        """The keys and values of ``prefix`` under ``adapter``, continuing from ``base``'s."""
+        import torch
+        from transformers import DynamicCache
+
+        start = len(base[0]) if base else 0
+        cache = DynamicCache(ddp_cache_data=base[1] if base else None, config=self.model.config)
+        route = {"adapter_names": [adapter or BASE]} if self._adapters else {}
+        self.model(
+            input_ids=torch.tensor([prefix[start:]]), cache=cache, use_cache=True, logits_to_keep=1, **route
+        )
+        return [(layer.keys, layer.values) for layer in cache.layers]
 
     def _completion(
         self, ids: list[int], prompt_ids: list[int], out: Any, row: int, params: SamplingParams
@@ -230,3 +298,5 @@ class EmbeddedBackend:
             else:
                 self.model.delete_adapter(name)
             del self._adapters[name]
+            if self.prefix_cache is not None:
+                self.prefix_cache.drop(name)

@@ -1,0 +1,86 @@
+"""Prefix caching in the embedded backend: which prefixes are kept, and that a cached prefix
+changes no token of any reply, for the base model and an adapter in one batch."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from trace_plugin.chat_template import REPLY_FORBIDDEN
+from trace_plugin.environments.retail import TEST_SEEDS, RetailEnv
+from trace_plugin.gateway.backend import SamplingParams
+from trace_plugin.gateway.embedded import EmbeddedBackend
+from trace_plugin.gateway.prefix_cache import PrefixCache, boundary_cut, common_length
+from training.lora import random_adapter
+
+TURN = 1  # the boundary token in the pure tests
+
+
+def test_a_prefix_ends_before_a_turn_inside_the_shared_part():
+    a, b = (5, 1, 7, 1, 8, 9), (5, 1, 7, 1, 8, 3)
+    assert common_length(a, b) == 5
+    assert boundary_cut(a, 5, TURN) == 3  # not 5: the prefix stops where a turn starts
+    assert boundary_cut(a, 1, TURN) == 1  # (5,) is shared, and a turn starts right after it
+    assert boundary_cut(a, 0, TURN) == 0
+    assert boundary_cut(a, len(a), TURN) == 3  # a prompt never caches all of itself
+
+
+def test_entries_are_per_adapter_longest_first_and_evicted_oldest_first():
+    cache = PrefixCache(TURN, capacity=2, min_tokens=2)
+    opening, turn = (5, 6, 7), (5, 6, 7, 1, 8, 9)
+    assert cache.wanted((*turn, 1, 4), [(*turn, 1, 3)]) == len(turn)
+    assert cache.wanted((*opening, 1, 4), [(9, 9, 9)]) == 0  # nothing shared yet
+    cache.put(None, opening, "kv-opening")
+    cache.put(None, turn, "kv-turn")
+    assert cache.longest(None, (*turn, 1, 2)) == (turn, "kv-turn")
+    assert cache.longest(None, (*opening, 1, 2)) == (opening, "kv-opening")
+    assert cache.longest("expert", (*turn, 1, 2)) is None  # another adapter's keys differ
+    assert cache.longest(None, opening) is None  # a prompt must keep a token to run
+    cache.put("expert", opening, "kv-expert")  # evicts the least recently used: the turn
+    assert len(cache) == 2 and cache.longest(None, (*turn, 1, 2)) == (opening, "kv-opening")
+    cache.drop("expert")
+    assert cache.longest("expert", (*opening, 1)) is None
+
+
+def tickets(backend: EmbeddedBackend, n: int) -> list[str]:
+    """The support agent's first prompt (policy, tools, ticket) on ``n`` retail tickets."""
+    prompts = []
+    for seed in list(TEST_SEEDS)[:n]:
+        env = RetailEnv()
+        task = env.reset(seed)
+        messages = [
+            {"role": "system", "content": env.system_prompt},
+            {"role": "user", "content": task.prompt},
+        ]
+        prompts.append(backend.render(messages, env.tools))
+    return prompts
+
+
+@pytest.mark.slow
+def test_cached_prefixes_change_no_token(tmp_path):
+    backend = EmbeddedBackend()
+    # A mild adapter: random_adapter's default scale is chaotic enough that float noise of 1e-3
+    # in the keys (a different matmul shape) flips a greedy token within a few steps.
+    random_adapter(backend.model_dir, tmp_path / "expert", seed=3, scale=4.0)
+    asyncio.run(backend.load_adapter("expert", tmp_path / "expert"))
+    prompts = tickets(backend, 4)
+    # A second turn of the first conversation: its opening is the first turn.
+    prompts.append(
+        prompts[0] + '<tool_call>\n{"name": "get_order", "arguments": {}}\n</tool_call><|im_end|>\n'
+        '<|im_start|>user\n<tool_response>\n"not found"\n</tool_response><|im_end|>\n'
+        "<|im_start|>assistant\n"
+    )
+    adapters = [None, "expert", None, "expert", None]
+    params = SamplingParams(max_tokens=24, bad_words=REPLY_FORBIDDEN)
+    cache, backend.prefix_cache = backend.prefix_cache, None
+    reference = backend.generate_rows(prompts, adapters, params)
+    backend.prefix_cache = cache
+    first = backend.generate_rows(prompts[:2], adapters[:2], params)  # builds the shared opening
+    rest = backend.generate_rows(prompts[2:], adapters[2:], params)  # runs on it
+    assert [c.token_ids for c in first + rest] == [c.token_ids for c in reference]
+    assert [c.prompt_token_ids for c in first + rest] == [c.prompt_token_ids for c in reference]
+    assert cache.stats.hits == 5 and cache.stats.tokens_reused > 5 * 300
+    assert len({c.text for c in reference}) > 1  # the rows are not all the same reply
+    base = backend.generate_rows(prompts[1:2], [None], params)[0]
+    assert base.token_ids != reference[1].token_ids  # the adapter does change the reply
