@@ -87,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     budget = args.budget or (16 if args.quick else 96)
     tasks = args.tasks or (8 if args.quick else 48)
-    traffic = args.traffic or (16 if args.quick else 64)
+    traffic = args.traffic or (24 if args.quick else 64)
     console = Console()
     started = time.monotonic()
     home = Path(tempfile.mkdtemp(prefix="trace-bench-"))

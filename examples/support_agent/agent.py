@@ -103,7 +103,7 @@ def environment_tools(env: Environment) -> list[StructuredTool]:
 
 
 @trace_plugin.capture(agent="support-agent")
-def build_support_agent(env: Environment, *, base_url: str, model: str, max_tokens: int = 160):
+def build_support_agent(env: Environment, *, base_url: str, model: str, max_tokens: int = 96):
     # A small model goes on to invent the tool's answer after its call: stop it there.
     # An HTTP client per agent: langchain-openai's shared default one is bound to the first
     # event loop that used it, and this agent runs under several.
