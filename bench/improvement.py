@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, help="retail test tasks")
     parser.add_argument("--traffic", type=int, help="retail train tasks captured as traffic")
     args = parser.parse_args()
-    budget = args.budget or (16 if args.quick else 96)
+    budget = args.budget or (24 if args.quick else 96)
     tasks = args.tasks or (8 if args.quick else 48)
     traffic = args.traffic or (24 if args.quick else 64)
     console = Console()
