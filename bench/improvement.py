@@ -1,21 +1,23 @@
 """The headline comparison, at small scale: does TRACE beat plain GRPO at the same budget?
 
 On the demo's stack (the embedded SmolLM2-135M behind the gateway, the example LangGraph
-support agent, the retail target), after capturing train-split traffic and mining it:
+support agent, the retail target), after capturing train-split traffic:
 
 1. base: the agent as it is;
 2. GRPO on the target: one LoRA trained on the retail train split, with the whole budget;
 3. one LoRA on the union of the synthesized environments (the paper's single-adapter ablation);
-4. TRACE: one expert per mined capability (the budget split between them), routed by the
-   base model as classifier, and by a learned gate fitted on practice tasks of the
-   synthesized environments (which choice won each);
+4. TRACE, exactly as the improver runs it (mine, synthesize and calibrate, one expert per
+   mined capability with the budget split between them, route, evaluate), with the
+   improver's router (the base model as classifier; one expert takes everything) and with
+   a learned gate fitted on practice tasks of the synthesized environments;
 5. the oracle: per test task, the best of the base and every expert.
 
-All rows use the same test tasks, greedy decoding, and the same total rollout budget.
-Success rates come with 95% bootstrap intervals over tasks; router accuracy is each
-router's agreement with the oracle's choice on tasks where one choice was strictly best.
+All rows use the same test tasks, greedy decoding, the same training settings as the
+improver's, and at most the same number of rollouts. Success rates come with 95% bootstrap
+intervals over tasks; router accuracy is each router's agreement with the oracle's choice
+on tasks where one choice was strictly best.
 
-    python bench/improvement.py [--quick] [--budget ROLLOUTS] [--tasks N]
+    python bench/improvement.py [--quick] [--budget ROLLOUTS] [--tasks N] [--traffic N]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,17 +38,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from trace_plugin.demo import AGENT, SupportStack  # noqa: E402
+from trace_plugin.demo import AGENT, PRESETS, Preset, SupportStack  # noqa: E402
 from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall  # noqa: E402
-from trace_plugin.environments.catalog import prepare_environment  # noqa: E402
-from trace_plugin.environments.interpreter import SpecEnv  # noqa: E402
+from trace_plugin.environments.interpreter import SpecEnv, worked_example  # noqa: E402
 from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv  # noqa: E402
 from trace_plugin.environments.spec import EnvSpec  # noqa: E402
-from trace_plugin.environments.synthesis import Target  # noqa: E402
 from trace_plugin.gateway.adapters import split_name  # noqa: E402
 from trace_plugin.gateway.routing import router_from_spec  # noqa: E402
-from trace_plugin.improver import TRAINING_SEEDS, GatewayAdmin, router_spec  # noqa: E402
+from trace_plugin.improver import TRAINING_SEEDS, GatewayAdmin  # noqa: E402
 from trace_plugin.mining.miner import OfflineMiner  # noqa: E402
+
+# The demo's presets, with the whole budget per method (``rollouts`` times ``max_experts``).
+BENCH_PRESETS = {"quick": PRESETS["quick"], "default": Preset(16, 48, 24, 2, 4, 2, 2, 8)}
+RETAIL_TURNS, RETAIL_TOKENS = 6, 96  # the support agent's horizon and reply length, as served
 
 
 class UnionEnv:
@@ -72,6 +77,12 @@ class UnionEnv:
         return self.current.reward(answer)
 
 
+def union_hint(specs: list[EnvSpec]) -> Any:
+    """Each union task's hint as its own environment's expert gets it (the worked example)."""
+    hints = [worked_example(spec) or spec.hint for spec in specs]
+    return lambda task: hints[task.seed % len(specs)]
+
+
 def bootstrap(values: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
     rng = random.Random(seed)
     means = sorted(sum(rng.choices(values, k=len(values))) / len(values) for _ in range(n))
@@ -85,99 +96,117 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, help="retail test tasks")
     parser.add_argument("--traffic", type=int, help="retail train tasks captured as traffic")
     args = parser.parse_args()
-    budget = args.budget or (24 if args.quick else 96)
-    tasks = args.tasks or (8 if args.quick else 48)
-    traffic = args.traffic or (24 if args.quick else 64)
+    preset = BENCH_PRESETS["quick" if args.quick else "default"]
+    budget = args.budget or preset.rollouts * preset.max_experts
+    preset = replace(preset, test_tasks=args.tasks or preset.test_tasks)
+    preset = replace(preset, traffic_tasks=args.traffic or preset.traffic_tasks)
     console = Console()
     started = time.monotonic()
     home = Path(tempfile.mkdtemp(prefix="trace-bench-"))
     stack = SupportStack(home / "stack", console)
     store = stack.store
-    test = list(TEST_SEEDS)[:tasks]
+    test = list(TEST_SEEDS)[: preset.test_tasks]
     try:
-        stack.traffic(list(TRAIN_SEEDS)[:traffic])
-        selected = [c for c in OfflineMiner(store).mine(AGENT) if c.selected][:2]
-        console.print(f"selected capabilities: {[c.name for c in selected]}")
-        specs = []
-        for capability in selected:
-            record = asyncio.run(prepare_environment(store, AGENT, capability))
-            if record.status != "rejected":
-                specs.append(record.spec)
-        examples = Target.from_store(store, AGENT).examples
-        adapters: dict[str, str] = {}  # row or capability -> served adapter name
+        stack.traffic(list(TRAIN_SEEDS)[: preset.traffic_tasks])
+        # TRACE splits the budget between the experts it will train: as many as mining selects.
+        selected = [c for c in OfflineMiner(store).mine(AGENT, save=False) if c.selected]
+        per_expert = budget // max(min(len(selected), preset.max_experts), 1)
+        improver = stack.improver(replace(preset, rollouts=per_expert), test)
+        improver.run_once()
+        deployments = store.deployments(AGENT)  # the cycle's, accepted or not; none if nothing trained
+        cycle = deployments[-1] if deployments else None
+        experts = cycle.adapters if cycle else {}  # capability -> served adapter name
+        specs = [improver.spec(capability) for capability in experts]
+        trace_rollouts = sum(e.config["rollout_budget"] for e in store.experts(AGENT, status="ready"))
+        admin = GatewayAdmin(stack.server.url)
 
-        def train(name: str, factory: Any, seeds: list[int], rollouts: int, hint: Any = None) -> str:
-            from training.experts import ExpertTrainer, ExpertTrainingConfig
+        def train(name: str, factory: Any, seeds: list[int], hint: Any = None, **settings: Any) -> str:
+            from training.experts import ExpertTrainer
 
             out = stack.adapter_root / name / "1"
-            config = ExpertTrainingConfig.preset("cpu-small", output_dir=str(out), rollout_budget=rollouts)
-            console.rule(f"training {name}: {rollouts} rollouts")
-            ExpertTrainer(config, factory, seeds, hint=hint, examples=examples).train()
-            asyncio.run(GatewayAdmin(stack.server.url).ensure_adapter(f"{name}@1", str(out)))
+            config = improver.training_config(output_dir=str(out), rollout_budget=budget, **settings)
+            console.rule(f"training {name}: {budget} rollouts")
+            ExpertTrainer(config, factory, seeds, hint=hint, examples=improver.examples()).train()
+            asyncio.run(admin.ensure_adapter(f"{name}@1", str(out)))
             return f"{name}@1"
 
-        per_expert = max(budget // max(len(specs), 1), 4)
-        for spec in specs:
-            adapters[spec.capability] = train(
-                spec.capability, lambda s=spec: SpecEnv(s), list(TRAINING_SEEDS), per_expert, spec.hint
-            )
-        adapters["grpo_target"] = train("grpo_target", RetailEnv, list(TRAIN_SEEDS), budget)
-        if specs:
-            adapters["single_union"] = train(
+        # The target's tasks need the agent's whole horizon; its tickets carry no hint.
+        grpo = train(
+            "grpo_target",
+            RetailEnv,
+            list(TRAIN_SEEDS),
+            max_turns=RETAIL_TURNS,
+            max_completion_length=RETAIL_TOKENS,
+        )
+        union = (
+            train(
                 "single_union",
                 lambda: UnionEnv(specs),
                 list(TRAINING_SEEDS),
-                budget,
-                lambda t: t.metadata.get("hint"),
+                union_hint(specs),
             )
-
-        admin = GatewayAdmin(stack.server.url)
-        experts = {s.capability: adapters[s.capability] for s in specs}
-        routers = {
-            "trace": router_spec(experts, store, AGENT) if experts else {"kind": "static", "adapter": None}
-        }
-        if experts:
-            routers["gate"] = fit_router_gate(stack, specs, experts, examples, console)
-        for name, router in [*routers.items(), ("base", {"kind": "static", "adapter": None})]:
-            asyncio.run(admin.set_router(router, name=name))
+            if specs
+            else None
+        )
+        routers: dict[str, dict[str, Any]] = {}
+        if cycle:
+            routers["trace"] = cycle.router
+            routers["gate"] = asyncio.run(improver.fit_gate(experts))["router"]
+            asyncio.run(admin.set_router(routers["gate"], name="gate"))
 
         def success(model: str) -> list[float]:
-            results = asyncio.run(stack.evaluate(model, test))
-            return [float(r.reward.total >= 1.0) for r in results]
+            return _successes(asyncio.run(stack.evaluate(model, test)))
 
+        target = cycle.evaluation["target"] if cycle else None
+        base = _successes(target["current"]["episodes"]) if target else success("base")
         rows: dict[str, list[float] | None] = {
-            "base": success("router:base"),
-            "grpo_target": success(adapters["grpo_target"]),
-            "single_union": success(adapters["single_union"]) if specs else None,
-            "trace_classifier": success("router:trace"),
-            "trace_gate": success("router:gate") if "gate" in routers else None,
+            "base": base,
+            "grpo_target": success(grpo),
+            "single_union": success(union) if union else None,
+            "trace_classifier": _successes(target["candidate"]["episodes"]) if target else base,
+            "trace_gate": success("router:gate") if cycle else base,
         }
-        by_expert = {name: success(adapters[name]) for name in experts}
-        choices = [rows["base"], *by_expert.values()]
-        rows["oracle"] = [max(column) for column in zip(*choices, strict=True)]
+        by_expert = {
+            # A lone expert's static router already played the test tasks as that expert.
+            capability: rows["trace_classifier"]
+            if routers["trace"] == {"kind": "static", "adapter": split_name(name)[0]}
+            else success(name)
+            for capability, name in experts.items()
+        }
+        rows["oracle"] = [max(column) for column in zip(base, *by_expert.values(), strict=True)]
         accuracy = {
-            name: router_accuracy(stack, router, experts, by_expert, rows["base"], test)
+            name: router_accuracy(stack, router, experts, by_expert, base, test)
             for name, router in routers.items()
         }
     finally:
         stack.stop()
 
-    table = Table(title=f"Retail test tasks: {tasks}, rollout budget {budget} per method (SmolLM2-135M, CPU)")
-    for column in ("method", "success", "95% CI"):
+    rollouts = {
+        "base": 0,
+        "grpo_target": budget,
+        "single_union": budget,
+        "trace_classifier": trace_rollouts,
+        "trace_gate": trace_rollouts,
+        "oracle": trace_rollouts,
+    }
+    table = Table(
+        title=f"Retail test tasks: {len(test)}, rollout budget {budget} per method (SmolLM2-135M, CPU)"
+    )
+    for column in ("method", "rollouts", "success", "95% CI"):
         table.add_column(column)
     figures: dict[str, Any] = {}
     for name, values in rows.items():
         if values is None:
-            table.add_row(name, "—", "no environments")
+            table.add_row(name, "—", "—", "no environments")
             figures[name] = None
             continue
         low, high = bootstrap(values)
         figures[name] = round(sum(values) / len(values), 4)
-        table.add_row(name, f"{figures[name]:.2f}", f"[{low:.2f}, {high:.2f}]")
+        table.add_row(name, str(rollouts[name]), f"{figures[name]:.2f}", f"[{low:.2f}, {high:.2f}]")
     console.print(table)
-    console.print(f"router accuracy against the oracle: {accuracy}")
+    console.print(f"experts: {experts or 'none trained'}; router accuracy against the oracle: {accuracy}")
     console.print(f"{time.monotonic() - started:.0f} s in all")
-    plot(figures, budget, home / "improvement.png")
+    plot(figures, rollouts, home / "improvement.png")
     console.print(f"plot: {home / 'improvement.png'}")
     print(
         json.dumps(
@@ -185,44 +214,20 @@ def main() -> None:
                 "bench": "improvement",
                 "quick": args.quick,
                 "rollout_budget": budget,
+                "trace_rollouts": trace_rollouts,
                 **figures,
                 "router_accuracy": accuracy.get("trace"),  # the classifier's
                 "gate_router_accuracy": accuracy.get("gate"),
-                "n_test_tasks": tasks,
+                "n_test_tasks": len(test),
             }
         )
     )
 
 
-def fit_router_gate(
-    stack: SupportStack, specs: list[EnvSpec], experts: dict[str, str], examples: list[Any], console: Console
-) -> dict[str, Any]:
-    """A learned gate over the base and the experts, fitted on practice tasks of the
-    synthesized environments, as the improver's route stage does."""
-    from trace_plugin.environments.runner import ChatLoopAgent, Runner
-    from trace_plugin.improver import GATE_SEEDS
-    from training.experts import ExpertTrainingConfig
-    from training.gate import fit_gate
-
-    turns = ExpertTrainingConfig.preset("cpu-small").max_turns
-
-    async def play(spec: EnvSpec, model: str, seeds: list[int]) -> list[float]:
-        agent = ChatLoopAgent(
-            stack.base_url,
-            model,
-            agent="bench:gate",
-            max_turns=turns,
-            examples=examples,
-            recorder=stack.recorder,
-        )
-        runner = Runner(lambda: SpecEnv(spec), agent, concurrency=8, recorder=stack.recorder, console=console)
-        return [r.reward.total for r in await runner.run(seeds, description=f"{spec.name} as {model}")]
-
-    names = [split_name(name)[0] for name in experts.values()]
-    embed = GatewayAdmin(stack.server.url).embed
-    router, report = asyncio.run(fit_gate(specs, names, play, embed, list(GATE_SEEDS[:16])))
-    console.print(f"gate fitted on {report['tasks']} practice tasks: {report['labels']}")
-    return router
+def _successes(episodes: list[Any]) -> list[float]:
+    """Per task, 1.0 for a solved one: from runner results or an evaluation's stored episodes."""
+    rewards = [e["reward"] if isinstance(e, dict) else e.reward.total for e in episodes]
+    return [float(r >= 1.0) for r in rewards]
 
 
 def router_accuracy(
@@ -250,7 +255,7 @@ def router_accuracy(
     return round(agreed / counted, 4) if counted else None
 
 
-def plot(figures: dict[str, Any], budget: int, path: Path) -> None:
+def plot(figures: dict[str, Any], rollouts: dict[str, int], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -260,7 +265,7 @@ def plot(figures: dict[str, Any], budget: int, path: Path) -> None:
     ax.axhline(figures["base"], color="grey", linestyle="--", label="base (0 rollouts)")
     for name in ("grpo_target", "single_union", "trace_classifier", "trace_gate", "oracle"):
         if figures.get(name) is not None:
-            ax.scatter([budget], [figures[name]], label=name, s=60)
+            ax.scatter([rollouts[name]], [figures[name]], label=name, s=60)
     ax.set_xlabel("rollouts used")
     ax.set_ylabel("success on retail test tasks")
     ax.set_ylim(0, 1)

@@ -194,6 +194,9 @@ async def test_a_learned_gate_is_fitted_on_practice_tasks_and_served_as_a_candid
             "policy_refusal",
         ]
         assert routing["gate"] == {"tasks": 12, "labels": {"communicating_facts": 6, "policy_refusal": 6}}
+        # Fitted again outside a cycle (as bench/improvement.py does), from the ready experts' environments.
+        again = await improver.fit_gate(await improver._load_candidates(experts))
+        assert again["router"] == router
         await improver.gateway.set_router(router, name="cycle-1")  # what the evaluate stage does
         served = httpx.get(f"{gateway.url}/v1/router", params={"name": "cycle-1"}).json()
         assert served == router

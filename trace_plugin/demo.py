@@ -107,6 +107,36 @@ class SupportStack:
         self.recorder.flush(30)
         return results
 
+    def improver(self, preset: Preset, test: Sequence[int]) -> Improver:
+        """The improver as the demo runs it: judged on the retail ``test`` tasks through this stack."""
+        return Improver(
+            self.store,
+            ImproverConfig(
+                agent=AGENT,
+                gateway_url=self.server.url,
+                adapter_root=self.adapter_root,
+                target="retail",
+                target_seeds=test,
+                min_new_episodes=0,
+                max_experts=preset.max_experts,
+                calibration_seeds=preset.calibration_seeds,
+                calibration_samples=preset.calibration_samples,
+                calibration_attempts=preset.calibration_attempts,
+                # Half the rollouts see a worked example: the base model rarely calls a tool without one.
+                # A lookup takes a call and an answer: three turns of 48 tokens are plenty.
+                training={
+                    "rollout_budget": preset.rollouts,
+                    "hint_fraction": 0.5,
+                    "max_turns": 3,
+                    "max_completion_length": 48,
+                },
+                eval_seeds=preset.eval_seeds,
+            ),
+            evaluator=self.evaluate,
+            recorder=self.recorder,
+            console=self.console,
+        )
+
     def stop(self) -> None:
         self.server.stop()
         self.recorder.flush(30)
@@ -120,36 +150,10 @@ def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | No
     started = time.monotonic()
     console.rule("[bold]1. gateway")
     stack = SupportStack(home, console)
-    store, recorder, backend = stack.store, stack.recorder, stack.backend
+    store, backend = stack.store, stack.backend
 
     test = list(TEST_SEEDS)[: preset.test_tasks]
-    improver = Improver(
-        store,
-        ImproverConfig(
-            agent=AGENT,
-            gateway_url=stack.server.url,
-            adapter_root=stack.adapter_root,
-            target="retail",
-            target_seeds=test,
-            min_new_episodes=0,
-            max_experts=preset.max_experts,
-            calibration_seeds=preset.calibration_seeds,
-            calibration_samples=preset.calibration_samples,
-            calibration_attempts=preset.calibration_attempts,
-            # Half the rollouts see a worked example: the base model rarely calls a tool without one.
-            # A lookup takes a call and an answer: three turns of 48 tokens are plenty.
-            training={
-                "rollout_budget": preset.rollouts,
-                "hint_fraction": 0.5,
-                "max_turns": 3,
-                "max_completion_length": 48,
-            },
-            eval_seeds=preset.eval_seeds,
-        ),
-        evaluator=stack.evaluate,
-        recorder=recorder,
-        console=console,
-    )
+    improver = stack.improver(preset, test)
     timings: dict[str, float] = {}
     try:
         console.rule("[bold]2. before: the support agent on the test split")

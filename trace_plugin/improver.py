@@ -253,9 +253,9 @@ class Improver:
                 f"{self.config.gateway_url}/v1",
                 "base",
                 agent=f"calibration:{self.config.agent}",
-                max_tokens=self._training_config().max_completion_length,  # as training will generate
-                max_turns=self._training_config().max_turns,
-                examples=self._examples(),
+                max_tokens=self.training_config().max_completion_length,  # as training will generate
+                max_turns=self.training_config().max_turns,
+                examples=self.examples(),
                 recorder=self.recorder,
             )
         record = await prepare_environment(
@@ -266,7 +266,7 @@ class Improver:
             seeds=range(2_000_000, 2_000_000 + self.config.calibration_seeds),
             samples=self.config.calibration_samples,
             band=Band(attempts=self.config.calibration_attempts),
-            hint_fraction=self._training_config().hint_fraction,
+            hint_fraction=self.training_config().hint_fraction,
             progress=self.console.log,
         )
         self.console.log(f"{record.spec.name} v{record.version}: {record.status}")
@@ -279,8 +279,8 @@ class Improver:
         assert record is not None
         expert_id = _derived_id(cycle, capability)
         output = self.config.adapter_root / capability / expert_id
-        config = self._training_config(output_dir=str(output))
-        examples = self._examples()
+        config = self.training_config(output_dir=str(output))
+        examples = self.examples()
         expert = self.store.expert(expert_id) or Expert(
             self.config.agent,
             capability,
@@ -328,6 +328,17 @@ class Improver:
         adapters = await self._load_candidates(experts)
         if self.config.router != "gate":
             return {"router": router_spec(adapters, self.store, self.config.agent)}
+        return await self.fit_gate(adapters, experts)
+
+    async def fit_gate(
+        self, adapters: dict[str, str], experts: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """A learned gate over the base model and ``adapters`` (capability -> served name),
+        fitted on practice tasks of their environments: which choice won each.
+
+        ``experts`` (capability -> expert id) names this cycle's experts; any other
+        capability's environment is its latest ready expert's.
+        """
         from training.gate import fit_gate
 
         async def play(spec: EnvSpec, model: str, seeds: Sequence[int]) -> list[float]:
@@ -335,7 +346,7 @@ class Improver:
 
         names = {capability: split_name(name)[0] for capability, name in adapters.items()}
         router, report = await fit_gate(
-            [self._spec_of(capability, experts) for capability in names],
+            [self.spec(capability, experts) for capability in names],
             list(names.values()),
             play,
             self.gateway.embed,
@@ -352,7 +363,7 @@ class Improver:
         await self.gateway.set_router(router, name=cycle)
         report: dict[str, Any] = {"adapters": adapters, "router": router, "capabilities": {}}
         for capability, name in adapters.items():
-            spec = self._spec_of(capability, experts)
+            spec = self.spec(capability, experts)
             seeds = list(HELD_OUT_SEEDS[: self.config.eval_seeds])
             base = _mean_reward(await self._play_spec(spec, "base", seeds))
             candidate = _mean_reward(await self._play_spec(spec, name, seeds))
@@ -440,12 +451,13 @@ class Improver:
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _training_config(self, **overrides: Any) -> Any:
+    def training_config(self, **overrides: Any) -> Any:
+        """The ExpertTrainingConfig it trains with: the preset, config overrides, then ``overrides``."""
         from training.experts import ExpertTrainingConfig
 
         return ExpertTrainingConfig.preset(self.config.preset, **{**self.config.training, **overrides})
 
-    def _examples(self) -> list[dict[str, Any]]:
+    def examples(self) -> list[dict[str, Any]]:
         """The agent's own few-shot context, which experts train and are measured behind."""
         return (
             Target.from_store(self.store, self.config.agent).examples
@@ -464,8 +476,10 @@ class Improver:
             key=lambda e: e.started_at,
         )
 
-    def _spec_of(self, capability: str, experts: dict[str, str]) -> EnvSpec:
-        expert = self.store.expert(experts[capability]) if capability in experts else None
+    def spec(self, capability: str, experts: dict[str, str] | None = None) -> EnvSpec:
+        """The environment ``capability``'s expert trained in: this cycle's (``experts``:
+        capability -> expert id) or else the latest ready one's."""
+        expert = self.store.expert(experts[capability]) if experts and capability in experts else None
         if expert is None:
             expert = next(
                 e
@@ -482,8 +496,8 @@ class Improver:
             model,
             agent=f"eval:{self.config.agent}",
             max_tokens=self.config.max_tokens,
-            max_turns=self._training_config().max_turns,  # the horizon the expert was trained on
-            examples=self._examples(),
+            max_turns=self.training_config().max_turns,  # the horizon the expert was trained on
+            examples=self.examples(),
             recorder=self.recorder,
         )
         runner = Runner(
