@@ -48,9 +48,9 @@ from trace_plugin.gateway.routing import router_from_spec  # noqa: E402
 from trace_plugin.improver import TRAINING_SEEDS, GatewayAdmin  # noqa: E402
 from trace_plugin.mining.miner import OfflineMiner  # noqa: E402
 
-# The budget per method is ``rollouts`` times ``max_experts``. Quick is the demo's; the default
-# fits about an hour here: two test tasks per kind, and 64 traffic tasks because at 48 the
-# mined deficit passed the rule in 7 of 10 runs, one short of K.
+# The budget per method is ``rollouts`` times ``max_experts``. Quick is the demo's. The default
+# plays two test tasks per kind, and 64 traffic tasks because at 48 the mined deficit passed
+# the rule in 7 of 10 runs, one short of K; it took 97 minutes here.
 BENCH_PRESETS = {"quick": PRESETS["quick"], "default": Preset(16, 64, 24, 2, 4, 2, 2, 8)}
 RETAIL_TURNS, RETAIL_TOKENS = 6, 96  # the support agent's horizon and reply length, as served
 
