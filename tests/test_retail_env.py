@@ -6,6 +6,8 @@ import json
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trace_plugin.environments import ToolCall
 from trace_plugin.environments.retail import KINDS, POLICY, TEST_SEEDS, TOOLS, TRAIN_SEEDS, RetailEnv
@@ -85,6 +87,10 @@ def test_errors_are_observations_and_writes_need_identification():
     order_id = task.metadata["order_id"]
     assert "unknown tool" in env.step(ToolCall("drop_database", {}))
     assert "bad arguments" in env.step(ToolCall("get_order", {"wrong": 1}))
+    assert "email must be string" in env.step(ToolCall("find_user", {"email": 5}))
+    assert "item_ids must be array" in env.step(
+        ToolCall("return_items", {"order_id": order_id, "item_ids": "x"})
+    )
     assert "not found" in env.step(ToolCall("get_order", {"order_id": "#W1"}))
     assert "identify the user" in env.step(
         ToolCall("cancel_order", {"order_id": order_id, "reason": "no longer needed"})
@@ -118,3 +124,26 @@ def test_prompt_budget_with_the_smollm2_tokenizer():
     tokens = len(tokenizer(render(tokenizer, [{"role": "system", "content": POLICY}], TOOLS)).input_ids)
     assert tokens <= 820, tokens
     assert len(POLICY.split()) <= 300
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.sampled_from([t["function"]["name"] for t in TOOLS]),
+    arguments=st.dictionaries(
+        st.sampled_from(["email", "first_name", "last_name", "zip", "user_id", "order_id", "item_ids", "x"]),
+        _json,
+        max_size=4,
+    ),
+)
+def test_any_arguments_give_an_observation_never_an_exception(name, arguments):
+    """The protocol's promise: whatever a model writes, ``step`` answers with text."""
+    env = RetailEnv()
+    env.reset(3)
+    assert isinstance(env.step(ToolCall(name, arguments)), str)

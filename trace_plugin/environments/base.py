@@ -50,6 +50,39 @@ class ToolCall:
         return cls(str(function.get("name", "")), arguments if isinstance(arguments, dict) else {})
 
 
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "string": str,
+    "array": list,
+    "object": dict,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+}
+
+
+def argument_problem(parameters: dict[str, Any], arguments: dict[str, Any]) -> str | None:
+    """Why ``arguments`` do not fit a tool's JSON schema (required, known, typed), or None.
+
+    Environments check this before running a tool, so a model's malformed call becomes an
+    error observation in process exactly as it does behind the MCP server's validation.
+    """
+    if "__unparsed__" in arguments:
+        return "arguments are not a JSON object"
+    properties = parameters.get("properties", {})
+    missing = [p for p in parameters.get("required", []) if p not in arguments]
+    if missing:
+        return f"missing {missing}"
+    unknown = [a for a in arguments if a not in properties]
+    if unknown:
+        return f"unexpected {unknown}"
+    for name, value in arguments.items():
+        kind = properties[name].get("type", "")
+        expected = _JSON_TYPES.get(kind)
+        if expected and (not isinstance(value, expected) or (isinstance(value, bool) and kind != "boolean")):
+            return f"{name} must be {kind}"
+    return None
+
+
 def observation_error(observation: str) -> str | None:
     """The message of an error observation (``{"error": ...}``, the convention our
     environments use), or None for a normal one."""

@@ -18,20 +18,12 @@ import random
 import re
 from typing import Any
 
-from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall
+from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall, argument_problem
 from trace_plugin.environments.spec import PLACEHOLDER, Check, Column, EnvSpec, TaskTemplate, ToolSpec
 
 Rows = dict[str, dict[str, dict[str, Any]]]  # table -> key -> row
 
 _DIGITS = re.compile(r"\{d(\d{1,2})\}")
-_JSON_TYPES = {
-    "string": str,
-    "array": list,
-    "object": dict,
-    "integer": int,
-    "number": (int, float),
-    "boolean": bool,
-}
 
 
 # Checks that doing nothing or guessing would pass (no forbidden call, state unchanged, no
@@ -108,7 +100,7 @@ class SpecEnv:
         tool = self.spec.tool(call.name)
         if tool is None:
             return _error(f"unknown tool {call.name!r}")
-        problem = argument_problem(tool, call.arguments)
+        problem = argument_problem(tool.parameters, call.arguments)
         if problem:
             return _error(f"bad arguments for {call.name}: {problem}")
         try:
@@ -220,7 +212,7 @@ class SpecEnv:
             valid = [
                 c
                 for c in self.calls
-                if (t := self.spec.tool(c.name)) and not argument_problem(t, c.arguments)
+                if (t := self.spec.tool(c.name)) and not argument_problem(t.parameters, c.arguments)
             ]
             return len(valid) / len(self.calls)
         if check.kind == "required_calls":
@@ -258,24 +250,6 @@ def worked_example(spec: EnvSpec) -> list[dict[str, Any]]:
             "tool_calls": [{"id": "hint", "type": "function", "function": call}],
         },
     ]
-
-
-def argument_problem(tool: ToolSpec, arguments: dict[str, Any]) -> str | None:
-    """Why ``arguments`` do not fit the tool's JSON schema (required, known, typed), or None."""
-    if "__unparsed__" in arguments:
-        return "arguments are not a JSON object"
-    properties = tool.parameters.get("properties", {})
-    missing = [p for p in tool.parameters.get("required", []) if p not in arguments]
-    if missing:
-        return f"missing {missing}"
-    unknown = [a for a in arguments if a not in properties]
-    if unknown:
-        return f"unexpected {unknown}"
-    for name, value in arguments.items():
-        expected = _JSON_TYPES.get(properties[name].get("type", ""))
-        if expected and not isinstance(value, expected):
-            return f"{name} must be {properties[name]['type']}"
-    return None
 
 
 def _fill(value: Any, values: dict[str, Any]) -> Any:

@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall
+from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall, argument_problem
 
 TRAIN_SEEDS = range(0, 200)
 TEST_SEEDS = range(10_000, 10_100)
@@ -48,6 +48,7 @@ TOOLS = [
     _tool("exchange_items", "order_id", "item_ids", "new_item_ids"),
     _tool("transfer_to_human", "summary"),
 ]
+_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 WRITE_TOOLS = {"cancel_order", "modify_address", "return_items", "exchange_items"}
 CANCEL_REASONS = ("no longer needed", "ordered by mistake")
 
@@ -179,13 +180,14 @@ class RetailEnv:
 
     def step(self, call: ToolCall) -> str:
         self.calls.append(call)
-        handler = getattr(self, f"_tool_{call.name}", None)
-        if handler is None or self.task is None:
+        schema = _SCHEMAS.get(call.name)
+        if schema is None or self.task is None:
             return _error(f"unknown tool {call.name!r}" if self.task else "call reset() first")
+        problem = argument_problem(schema, call.arguments)
+        if problem:
+            return _error(f"bad arguments for {call.name}: {problem}")
         try:
-            result = handler(**call.arguments)
-        except TypeError as exc:  # missing or unexpected arguments
-            return _error(f"bad arguments for {call.name}: {exc}".replace("RetailEnv._tool_", ""))
+            result = getattr(self, f"_tool_{call.name}")(**call.arguments)
         except ValueError as exc:
             return _error(str(exc))
         return json.dumps(result)
