@@ -8,7 +8,9 @@ Side by side in one run, on the embedded SmolLM2-135M (CPU):
 - the share of request time spent in the router (keyword router, agent-addressed requests);
 - failed requests while a new version is hot-swapped under 8 concurrent clients;
 - agent prompts (the retail policy, tool schemas and a ticket, four at once) with the
-  embedded backend's prefix cache holding their shared opening, against no cache.
+  embedded backend's prefix cache holding their shared opening, against no cache;
+- the same prompts through one expert, run with that adapter active (as the backend runs a
+  batch with one adapter) against PEFT's mixed-batch split, and against the base model.
 
 Usage: python bench/gateway.py [--quick]
 """
@@ -16,6 +18,7 @@ Usage: python bench/gateway.py [--quick]
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import tempfile
 import threading
@@ -145,16 +148,22 @@ def swap_under_load(url: str, name: str, path: str, clients: int, per_client: in
     return len(failures), len(done)
 
 
-def prefix_cache_speedup(backend: EmbeddedBackend, rounds: int, max_tokens: int) -> tuple[float, float]:
-    """Seconds per batch of four agent prompts without and with the cached opening, alternating."""
+def agent_prompts(backend: EmbeddedBackend, n: int) -> list[str]:
+    """The support agent's opening prompts (policy, tool schemas, a ticket) for ``n`` test seeds."""
     prompts = []
-    for seed in list(TEST_SEEDS)[:8]:
+    for seed in list(TEST_SEEDS)[:n]:
         env = RetailEnv()
         messages = [
             {"role": "system", "content": env.system_prompt},
             {"role": "user", "content": env.reset(seed).prompt},
         ]
         prompts.append(backend.render(messages, env.tools))
+    return prompts
+
+
+def prefix_cache_speedup(backend: EmbeddedBackend, rounds: int, max_tokens: int) -> tuple[float, float]:
+    """Seconds per batch of four agent prompts without and with the cached opening, alternating."""
+    prompts = agent_prompts(backend, 8)
     params = SamplingParams(max_tokens=max_tokens, bad_words=REPLY_FORBIDDEN)
     cache, times = backend.prefix_cache, {False: 0.0, True: 0.0}
     backend.generate_rows(prompts[:2], [None, None], params)  # caches the opening
@@ -167,6 +176,38 @@ def prefix_cache_speedup(backend: EmbeddedBackend, rounds: int, max_tokens: int)
             times[cached] += time.perf_counter() - start
     backend.prefix_cache = cache
     return times[False] / rounds, times[True] / rounds
+
+
+def adapter_batch_seconds(
+    backend: EmbeddedBackend, adapter: Path, rounds: int, max_tokens: int
+) -> dict[str, float]:
+    """Seconds per batch of four agent prompts (no prefix cache), alternating: the base model;
+    one expert for every row, run as the backend runs such a batch (that adapter active); and
+    the same rows through PEFT's mixed-batch split (``adapter_names``), which the backend
+    keeps for batches that really mix adapters."""
+    asyncio.run(backend.load_adapter("probe", adapter))
+    prompts = agent_prompts(backend, 4)
+    tokens = backend.tokenizer(
+        prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt"
+    )
+    greedy = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+    greedy.update(temperature=None, top_p=None, top_k=None, pad_token_id=backend.tokenizer.pad_token_id)
+    times = {"base": 0.0, "expert": 0.0, "mixed_split": 0.0}
+    for _ in range(rounds):
+        for how in times:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                if how == "base":
+                    with backend.model.disable_adapter():
+                        backend.model.generate(**tokens, **greedy)
+                elif how == "expert":
+                    backend.model.set_adapter("probe")
+                    backend.model.generate(**tokens, **greedy)
+                else:
+                    backend.model.generate(**tokens, **greedy, adapter_names=["probe"] * 4)
+            times[how] += time.perf_counter() - start
+    asyncio.run(backend.unload_adapter("probe"))
+    return {how: t / rounds for how, t in times.items()}
 
 
 def main() -> None:
@@ -182,6 +223,8 @@ def main() -> None:
     uncached_s, cached_s = prefix_cache_speedup(backend, rounds + 1, max_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        random_adapter(backend.model_dir, root / "probe", seed=4)
+        batch_s = adapter_batch_seconds(backend, root / "probe", rounds + 1, max_tokens)
         for name, seed in (("refunds/1", 1), ("refunds/2", 2), ("refunds/3", 3)):
             random_adapter(backend.model_dir, root / name, seed=seed)
         recorder = Recorder(f"sqlite:///{root / 'bench.db'}")
@@ -216,6 +259,14 @@ def main() -> None:
     table.add_row("4 agent prompts, no prefix cache", f"{uncached_s:.2f} s", "")
     table.add_row("4 agent prompts, cached opening", f"{cached_s:.2f} s", "")
     table.add_row("prefix cache speedup", f"{uncached_s / cached_s:.2f}×", "")
+    table.add_row("4 agent prompts, base model", f"{batch_s['base']:.2f} s", "")
+    table.add_row("4 agent prompts, one expert (adapter active)", f"{batch_s['expert']:.2f} s", "")
+    table.add_row(
+        "4 agent prompts, one expert (PEFT mixed-batch split)", f"{batch_s['mixed_split']:.2f} s", ""
+    )
+    table.add_row(
+        "one-expert batch speedup over the split", f"{batch_s['mixed_split'] / batch_s['expert']:.2f}×", ""
+    )
     console.print(table)
     print(
         json.dumps(
@@ -227,6 +278,8 @@ def main() -> None:
                 "routing_overhead_frac": round(route_frac, 6),
                 "failed_requests_during_swap": failed,
                 "prefix_cache_speedup": round(uncached_s / cached_s, 3),
+                "expert_batch_cost_ratio": round(batch_s["expert"] / batch_s["base"], 3),
+                "single_adapter_speedup": round(batch_s["mixed_split"] / batch_s["expert"], 3),
             }
         )
     )

@@ -84,3 +84,9 @@ def test_cached_prefixes_change_no_token(tmp_path):
     assert len({c.text for c in reference}) > 1  # the rows are not all the same reply
     base = backend.generate_rows(prompts[1:2], [None], params)[0]
     assert base.token_ids != reference[1].token_ids  # the adapter does change the reply
+    # Batches with one adapter, or none, skip PEFT's mixed-batch split: same tokens.
+    backend.prefix_cache = None
+    alone = {a: [i for i, b in enumerate(adapters) if b == a] for a in (None, "expert")}
+    for adapter, rows in alone.items():
+        single = backend.generate_rows([prompts[i] for i in rows], [adapter] * len(rows), params)
+        assert [c.token_ids for c in single] == [reference[i].token_ids for i in rows]
