@@ -201,7 +201,7 @@ def adapter_batch_seconds(
                     with backend.model.disable_adapter():
                         backend.model.generate(**tokens, **greedy)
                 elif how == "expert":
-                    backend.model.set_adapter("probe")
+                    backend.model.set_adapter("probe", inference_mode=True)
                     backend.model.generate(**tokens, **greedy)
                 else:
                     backend.model.generate(**tokens, **greedy, adapter_names=["probe"] * 4)

@@ -250,7 +250,7 @@ class EmbeddedBackend:
         (name,) = names
         if name is None:
             return self.model.disable_adapter(), {}
-        self.model.set_adapter(name)
+        self.model.set_adapter(name, inference_mode=True)  # stay frozen, as loaded
         return contextlib.nullcontext(), {}
 
     def _completion(
@@ -283,8 +283,8 @@ class EmbeddedBackend:
         # The index of each row's last real token, whichever side the padding is on.
         last = (enc.attention_mask * torch.arange(enc.attention_mask.shape[1])).argmax(dim=1)
         with self._torch, torch.inference_mode():
-            frozen = self.model.disable_adapter() if self._adapters else contextlib.nullcontext()
-            with frozen:
+            base_model, _ = self._route([None])  # the frozen base model's states, whatever is loaded
+            with base_model:
                 out = self.model(**enc, output_hidden_states=True, logits_to_keep=1)
         states = out.hidden_states[-1][torch.arange(len(texts)), last]
         return torch.nn.functional.normalize(states.float(), dim=-1).tolist()
