@@ -238,9 +238,10 @@ class EmbeddedBackend:
         """How to run rows through their adapters: a context to run in, and model kwargs.
 
         PEFT's mixed batch (``adapter_names``) splits every LoRA layer's input by adapter,
-        which costs about 1.45x a plain forward on this CPU; a batch with a single adapter
-        (the common case: one deployment, or an evaluation through one expert) or none at
-        all runs plain, with that adapter active or every adapter disabled.
+        which makes one expert's batch 1.21x slower than with that adapter active
+        (``bench/gateway.py``). So a batch with a single adapter (the common case: one
+        deployment, or an evaluation through one expert) or none at all runs plain, with
+        that adapter active or every adapter disabled.
         """
         if not self._adapters:
             return contextlib.nullcontext(), {}
