@@ -4,11 +4,16 @@ Both train the same LoRA (r=8, all linear layers) on SmolLM2-135M with the same 
 prompts (the policy, nine tool schemas and a ticket), 4 rollouts per step, 48 tokens per
 completion, one turn. The reward is a hash of the completion, so every group carries
 signal and nothing is dropped: a cost comparison, not a learning one. Ours runs twice,
-with the loss pass running each group's shared prompt once (the default) and once per
-rollout (as TRL does), so that saving is measured on its own. A last run uses
+with generation and the loss pass running each group's shared prompt once (the default)
+and once per rollout (as TRL does), so that saving is measured on its own. A last run uses
 the real retail reward, where the base model's groups are all flat and ours drops them
 (dynamic sampling), to show what that saves. Each configuration runs in its own process
 (peak RSS is per process); the first step is warm-up and not counted.
+
+Generation on its own is timed in the support agent's setting, where prompts carry the
+worked examples (about 1,400 tokens) and episodes take turns: two tickets of four
+rollouts, two turns of up to 96 tokens, greedy, played with and without running the
+batch's common opening once (alternating), with the tokens compared.
 
     python bench/grpo_training.py [--quick]
 
@@ -108,6 +113,37 @@ def run(which: str, steps: int) -> dict:
     }
 
 
+def generation(reps: int) -> dict:
+    """Seconds per play of the support agent's episodes, with and without the shared opening."""
+    warnings.filterwarnings("ignore")
+    from examples.support_agent.agent import few_shot_messages
+    from integrations.langgraph import message_to_openai
+    from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
+    from trace_plugin.model_files import load_model, resolve_model
+    from training.experts import EpisodePlayer, hf_generate
+
+    model, tokenizer = load_model(resolve_model())
+    model.eval()
+    examples = [message_to_openai(m) for m in few_shot_messages()]
+    player = EpisodePlayer(tokenizer, RetailEnv, max_turns=2, max_observation_chars=800, examples=examples)
+    seeds = [seed for seed in list(TRAIN_SEEDS)[:2] for _ in range(GROUP)]
+    seconds: dict[bool, list[float]] = {False: [], True: []}
+    tokens: dict[bool, list[list[int]]] = {}
+    for _ in range(reps):
+        for share in (False, True):
+            generate = hf_generate(model, tokenizer, max_new_tokens=96, temperature=None, share_prefix=share)
+            start = time.monotonic()
+            episodes = player.play(seeds, [None] * len(seeds), generate)
+            seconds[share].append(time.monotonic() - start)
+            tokens[share] = [e.completion_ids for e in episodes]
+    return {
+        "unshared_s": sum(seconds[False]) / reps,
+        "shared_s": sum(seconds[True]) / reps,
+        "same_tokens": tokens[False] == tokens[True],
+        "prompt_tokens": len(player._prompt_ids(RetailEnv(), RetailEnv().reset(seeds[0]).prompt)),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -115,13 +151,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run(args.child, args.steps)))
+        print(
+            json.dumps(generation(args.steps) if args.child == "generation" else run(args.child, args.steps))
+        )
         return
     steps = 2 if args.quick else 4  # the first is warm-up
     results = {}
-    for which in ("naive", "ours_unshared", "ours", "ours_flat"):
+    for which in ("naive", "ours_unshared", "ours", "ours_flat", "generation"):
         out = subprocess.run(
-            [sys.executable, __file__, "--child", which, "--steps", str(steps)],
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                which,
+                "--steps",
+                str(steps // 2 if which == "generation" else steps),
+            ],
             capture_output=True,
             text=True,
             check=True,
@@ -139,7 +184,7 @@ def main() -> None:
         "ours": "our rollout_func, prompt run once per group",
         "ours_flat": "our rollout_func, real reward: flat groups dropped",
     }
-    naive = results["naive"]["rollouts_per_s"]
+    naive, played = results["naive"]["rollouts_per_s"], results.pop("generation")
     for which, r in results.items():
         table.add_row(
             labels[which],
@@ -149,6 +194,11 @@ def main() -> None:
             f"{r['peak_rss_gb']:.1f}",
         )
     Console().print(table)
+    Console().print(
+        f"generation, support agent prompts ({played['prompt_tokens']} tokens), 2 tickets x {GROUP}, 2 turns:"
+        f" {played['unshared_s']:.1f} s prompt run per row, {played['shared_s']:.1f} s opening run once"
+        f" ({played['unshared_s'] / played['shared_s']:.2f}x), same tokens: {played['same_tokens']}"
+    )
     ours = results["ours"]
     print(
         json.dumps(
@@ -163,6 +213,8 @@ def main() -> None:
                 ),
                 "peak_rss_gb": round(max(r["peak_rss_gb"] for r in results.values()), 2),
                 "speedup_with_flat_groups_dropped": round(results["ours_flat"]["rollouts_per_s"] / naive, 3),
+                "generation_prefix_speedup": round(played["unshared_s"] / played["shared_s"], 3),
+                "generation_same_tokens": played["same_tokens"],
             }
         )
     )

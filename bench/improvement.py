@@ -47,6 +47,7 @@ from trace_plugin.gateway.adapters import split_name  # noqa: E402
 from trace_plugin.gateway.routing import router_from_spec  # noqa: E402
 from trace_plugin.improver import TRAINING_SEEDS, GatewayAdmin  # noqa: E402
 from trace_plugin.mining.miner import OfflineMiner  # noqa: E402
+from training.lora import is_noop  # noqa: E402
 
 # The budget per method is ``rollouts`` times ``max_experts``. Quick is the demo's. The default
 # plays two test tasks per kind, and 64 traffic tasks because at 48 the mined deficit passed
@@ -122,10 +123,13 @@ def main() -> None:
         trace_rollouts = sum(e.config["rollout_budget"] for e in store.experts(AGENT, status="ready"))
         admin = GatewayAdmin(stack.server.url)
 
+        def adapter_dir(name: str) -> Path:
+            return stack.adapter_root / name / "1"
+
         def train(name: str, factory: Any, seeds: list[int], hint: Any = None, **settings: Any) -> str:
             from training.experts import ExpertTrainer
 
-            out = stack.adapter_root / name / "1"
+            out = adapter_dir(name)
             config = improver.training_config(output_dir=str(out), rollout_budget=budget, **settings)
             console.rule(f"training {name}: {budget} rollouts")
             ExpertTrainer(config, factory, seeds, hint=hint, examples=improver.examples()).train()
@@ -169,7 +173,8 @@ def main() -> None:
         }
         rows: dict[str, list[float] | None] = {
             "base": base,
-            "grpo_target": success(grpo),
+            # An adapter no gradient reached is the base model: its replies are the base's.
+            "grpo_target": base if is_noop(adapter_dir("grpo_target")) else success(grpo),
             "single_union": by_expert[specs[0].capability]
             if union_is_expert
             else (success(union) if union else None),

@@ -11,7 +11,7 @@ from trace_plugin.chat_template import REPLY_FORBIDDEN
 from trace_plugin.environments.retail import TEST_SEEDS, RetailEnv
 from trace_plugin.gateway.backend import SamplingParams
 from trace_plugin.gateway.embedded import EmbeddedBackend
-from trace_plugin.gateway.prefix_cache import PrefixCache, boundary_cut, common_length
+from trace_plugin.gateway.prefix_cache import PrefixCache, boundary_cut, common_length, continuation_batch
 from training.lora import random_adapter
 
 TURN = 1  # the boundary token in the pure tests
@@ -24,6 +24,12 @@ def test_a_prefix_ends_before_a_turn_inside_the_shared_part():
     assert boundary_cut(a, 1, TURN) == 1  # (5,) is shared, and a turn starts right after it
     assert boundary_cut(a, 0, TURN) == 0
     assert boundary_cut(a, len(a), TURN) == 3  # a prompt never caches all of itself
+
+
+def test_a_continuation_batch_keeps_the_cached_prefix_in_place_and_pads_after_it():
+    ids, mask = continuation_batch([(7, 8, 1, 2), (7, 8, 3), (7, 8, 4, 5, 6)], 2, pad=0)
+    assert ids == [[7, 8, 0, 1, 2], [7, 8, 0, 0, 3], [7, 8, 4, 5, 6]]
+    assert mask == [[1, 1, 0, 1, 1], [1, 1, 0, 0, 1], [1, 1, 1, 1, 1]]
 
 
 def test_entries_are_per_adapter_longest_first_and_evicted_oldest_first():

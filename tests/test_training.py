@@ -25,8 +25,11 @@ from training.experts import (
     Rollouts,
     evaluate,
     file_sha256,
+    hf_generate,
+    shared_prefix_length,
     weights_sha256,
 )
+from training.lora import is_noop, random_adapter
 
 
 class EchoEnv:
@@ -350,17 +353,63 @@ class ScoredEchoEnv(EchoEnv):
 
 @pytest.mark.slow
 def test_rewards_with_signal_move_the_adapter(tmp_path):
-    from safetensors.torch import load_file
-
     config = ExpertTrainingConfig(
         output_dir=str(tmp_path / "echo"), **{**TINY, "rollout_budget": 2, "hint_fraction": 0.5}
     )
     result = ExpertTrainer(config, ScoredEchoEnv, [1, 2, 3], hint="Echo the number.", progress=False).train()
     [log] = result.logs
     assert log["dynamic_sampling/zero_signal_groups"] == 0 and log["episodes/hinted_fraction"] == 0.5
-    weights = load_file(result.adapter_dir / ADAPTER_WEIGHTS)
-    # PEFT starts every lora_B at zero: a non-zero one means a gradient reached the adapter.
-    assert any(t.abs().sum() > 0 for name, t in weights.items() if "lora_B" in name)
+    assert not is_noop(result.adapter_dir)  # a gradient reached the adapter
+
+
+@pytest.mark.slow
+def test_an_adapter_no_step_reached_is_the_base_model(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from trace_plugin.model_files import load_model
+
+    base, _ = load_model(resolve_model())
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "fresh")
+    assert is_noop(tmp_path / "fresh")
+    assert not is_noop(random_adapter(resolve_model(), tmp_path / "random", seed=0, rank=2))
+
+
+def test_a_batch_shares_its_common_opening_but_each_row_keeps_a_token_to_run():
+    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5]], min_tokens=2) == 3
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 3, 4]], min_tokens=2) == 2  # a whole row is never skipped
+    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 4]], min_tokens=2) == 3
+    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 9, 4]], min_tokens=3) == 0  # too short to pay
+
+
+@pytest.mark.slow
+def test_generating_on_the_shared_prefix_changes_no_token(tmp_path, tokenizer):
+    """Rollout generation runs a batch's common opening once: two tickets, a group of two
+    each, and a second turn, through a LoRA as in training; greedy tokens are unchanged."""
+    from peft import PeftModel
+
+    from trace_plugin.model_files import load_model
+
+    base, _ = load_model(resolve_model())
+    # Mild, as in the prefix-cache test: float noise in the keys must not flip a greedy token.
+    random_adapter(resolve_model(), tmp_path / "lora", seed=3, scale=4.0)
+    model = PeftModel.from_pretrained(base, str(tmp_path / "lora")).eval()
+    player = EpisodePlayer(tokenizer, RetailEnv, max_turns=2, max_observation_chars=800)
+    tickets = [player._prompt_ids(RetailEnv(), RetailEnv().reset(seed).prompt) for seed in (10_000, 10_001)]
+    later = tokenizer(
+        '<tool_call>\n{"name": "get_order", "arguments": {}}\n</tool_call><|im_end|>\n<|im_start|>user\n'
+        '<tool_response>\n"not found"\n</tool_response><|im_end|>\n<|im_start|>assistant\n',
+        add_special_tokens=False,
+    ).input_ids
+    batches = [[tickets[0]] * 2, [tickets[0], tickets[0] + later, tickets[1], tickets[1]]]
+    assert shared_prefix_length(batches[0]) == len(tickets[0]) - 1
+    assert shared_prefix_length(batches[1]) > 300  # the policy and the tool schemas
+    for prompts in batches:
+        replies = [
+            hf_generate(model, tokenizer, max_new_tokens=24, temperature=None, share_prefix=share)(prompts)
+            for share in (False, True)
+        ]
+        assert replies[0] == replies[1]
+    assert replies[0][0] != replies[0][1] and replies[0][1] != replies[0][2]  # the rows really differ
 
 
 @pytest.mark.slow

@@ -58,8 +58,10 @@ from transformers import GenerationConfig, PrinterCallback, TrainerCallback
 
 from trace_plugin.chat_template import REPLY_FORBIDDEN, TOOL_CHAT_TEMPLATE, forbidden_token_ids, render
 from trace_plugin.environments.base import Environment, Task, ToolCall
+from trace_plugin.gateway.prefix_cache import common_length, continuation_batch
 from trace_plugin.model_files import load_model, resolve_model
 from trace_plugin.tool_calls import parse_completion
+from training.lora import ADAPTER_WEIGHTS
 
 # Text appended to the ticket, or worked example turns placed just before it (a small
 # model copies a demonstrated tool call far more readily than it follows an instruction).
@@ -70,7 +72,6 @@ Hint = HintValue | Callable[[Task], HintValue | None]
 Generate = Callable[[list[list[int]]], list[list[int]]]
 
 RESULT_FILE = "expert.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,9 @@ class ExpertTrainingConfig:
     backend: Literal["transformers", "vllm"] = "transformers"  # who generates the rollouts
     bf16: bool = False
     gradient_checkpointing: bool = False
-    # The loss pass runs a group's shared prompt once (``shared_prefix_logps``); it needs the
-    # key/value cache, which gradient checkpointing turns off.
+    # A group's rollouts share their prompt: generation runs the batch's common opening once
+    # (``hf_generate``) and the loss pass each distinct prompt once (``shared_prefix_logps``).
+    # Both need the key/value cache, which gradient checkpointing turns off.
     share_prompt: bool = True
     vllm_gpu_memory_utilization: float = 0.3  # colocated vLLM's share of GPU memory
 
@@ -338,9 +340,21 @@ _DUMMY_CALL = {"role": "assistant", "content": "", "tool_calls": [{"name": "f", 
 
 
 def hf_generate(
-    model: Any, tokenizer: Any, *, max_new_tokens: int, temperature: float | None, batch_size: int = 64
+    model: Any,
+    tokenizer: Any,
+    *,
+    max_new_tokens: int,
+    temperature: float | None,
+    batch_size: int = 64,
+    share_prefix: bool = True,
 ) -> Generate:
-    """A transformers backend: left-padded batches; ``temperature=None`` decodes greedily."""
+    """A transformers backend: left-padded batches; ``temperature=None`` decodes greedily.
+
+    A batch's prompts open alike (the policy, tool schemas and worked examples; a group's
+    ticket too, on every turn), and on a CPU that prompt costs more than the reply. With
+    ``share_prefix`` the common opening runs once and every row continues from its keys
+    and values, as the gateway's prefix cache does for served requests.
+    """
     sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -354,19 +368,40 @@ def hf_generate(
         out: list[list[int]] = []
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
-            width = max(map(len, chunk))
-            ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in chunk])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            skip = shared_prefix_length(chunk) if share_prefix else 0
+            ids, mask = continuation_batch(chunk, skip, tokenizer.pad_token_id)
             with torch.no_grad():
+                cache = {"cache": _prefill(model, chunk[0][:skip], len(chunk))} if skip else {}
                 result = model.generate(
-                    input_ids=ids.to(model.device),
-                    attention_mask=mask.to(model.device),
+                    input_ids=torch.tensor(ids, device=model.device),
+                    attention_mask=torch.tensor(mask, device=model.device),
                     generation_config=config,
+                    **cache,
                 )
+            width = len(ids[0])
             out += [_until_eos(row[width:].tolist(), tokenizer.eos_token_id) for row in result]
         return out
 
     return generate
+
+
+def shared_prefix_length(rows: Sequence[Sequence[int]], min_tokens: int = 64) -> int:
+    """How many leading tokens all ``rows`` share, leaving each at least one to run; 0 if
+    fewer than ``min_tokens`` (a prefill of its own would not pay)."""
+    shared = min(min(common_length(rows[0], row) for row in rows), min(map(len, rows)) - 1)
+    return shared if shared >= min_tokens else 0
+
+
+def _prefill(model: Any, prefix: Sequence[int], batch: int) -> Any:
+    """The keys and values of ``prefix``, one copy per row of the batch."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    model(
+        input_ids=torch.tensor([prefix], device=model.device), cache=cache, use_cache=True, logits_to_keep=1
+    )
+    cache.batch_repeat_interleave(batch)
+    return cache
 
 
 def _until_eos(ids: list[int], eos: int) -> list[int]:
@@ -695,6 +730,7 @@ class ExpertTrainer:
                 tokenizer,
                 max_new_tokens=config.max_completion_length,
                 temperature=config.temperature,
+                share_prefix=config.share_prompt,
             )
 
         rollouts = Rollouts(config, player, self.seeds, self.hint, backend)

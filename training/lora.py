@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's file name for an adapter's tensors
+
 
 def random_adapter(model_dir: Path, out: Path, *, seed: int, rank: int = 8, scale: float = 20.0) -> Path:
     """An untrained rank-``rank`` LoRA on every linear layer, with random weights, saved by PEFT.
@@ -27,3 +29,17 @@ def random_adapter(model_dir: Path, out: Path, *, seed: int, rank: int = 8, scal
                 param.mul_(scale)
     model.save_pretrained(out)
     return out
+
+
+def is_noop(adapter_dir: Path) -> bool:
+    """Whether the adapter leaves the base model exactly as it is: every ``lora_B`` is zero.
+
+    PEFT starts B at zero, so an adapter that no gradient step ever reached (GRPO whose
+    groups were all flat) is the base model, and measuring it again would be wasted time.
+    """
+    from safetensors.torch import load_file
+
+    weights = load_file(Path(adapter_dir) / ADAPTER_WEIGHTS)
+    if any("lora_A" not in name and "lora_B" not in name for name in weights):
+        return False  # other trained tensors (modules_to_save, biases) change the model
+    return all(not tensor.any() for name, tensor in weights.items() if "lora_B" in name)

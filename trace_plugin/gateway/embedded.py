@@ -21,7 +21,7 @@ from typing import Any
 
 from trace_plugin.chat_template import forbidden_token_ids, render
 from trace_plugin.gateway.backend import BackendError, Completion, SamplingParams
-from trace_plugin.gateway.prefix_cache import Ids, PrefixCache
+from trace_plugin.gateway.prefix_cache import Ids, PrefixCache, continuation_batch
 from trace_plugin.model_files import load_model, resolve_model
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -161,19 +161,15 @@ class EmbeddedBackend:
             skip, cache = self._cached_prefix(rows, adapters)
             if cache is not None:
                 kwargs["cache"] = cache
-            # Each row: its cached prefix, left padding, then the tokens still to run.
-            width = max(map(len, rows))
-            input_ids = torch.tensor(
-                [[*ids[:skip], *[kwargs["pad_token_id"]] * (width - len(ids)), *ids[skip:]] for ids in rows]
-            )
-            mask = torch.tensor(
-                [[1] * skip + [0] * (width - len(ids)) + [1] * (len(ids) - skip) for ids in rows]
-            )
+            input_ids, mask = continuation_batch(rows, skip, kwargs["pad_token_id"])
+            width = len(input_ids[0])
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             routing, route = self._route(adapters)
             with routing:
-                out = self.model.generate(input_ids=input_ids, attention_mask=mask, **kwargs, **route)
+                out = self.model.generate(
+                    input_ids=torch.tensor(input_ids), attention_mask=torch.tensor(mask), **kwargs, **route
+                )
         return [
             self._completion(sequence[width:].tolist(), list(ids), out, row, params)
             for row, (sequence, ids) in enumerate(zip(out.sequences, rows, strict=True))

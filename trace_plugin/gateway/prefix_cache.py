@@ -41,6 +41,20 @@ def boundary_cut(ids: Sequence[int], length: int, boundary: int) -> int:
     return 0
 
 
+def continuation_batch(
+    rows: Sequence[Sequence[int]], skip: int, pad: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Input ids and attention mask for a batch run on ``skip`` cached prefix tokens.
+
+    Each row is its cached prefix, left padding, then the tokens still to run: the cache
+    holds every row's prefix at the same positions, and the mask keeps the padding out.
+    """
+    width = max(map(len, rows))
+    ids = [[*row[:skip], *[pad] * (width - len(row)), *row[skip:]] for row in rows]
+    mask = [[1] * skip + [0] * (width - len(row)) + [1] * (len(row) - skip) for row in rows]
+    return ids, mask
+
+
 @dataclass(slots=True)
 class CacheStats:
     lookups: int = 0  # prompts that asked
