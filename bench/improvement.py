@@ -51,7 +51,7 @@ from training.lora import is_noop  # noqa: E402
 
 # The budget per method is ``rollouts`` times ``max_experts``. Quick is the demo's. The default
 # plays two test tasks per kind, and 64 traffic tasks because at 48 the mined deficit passed
-# the rule in 7 of 10 runs, one short of K. It takes about 100 minutes here (README).
+# the rule in 7 of 10 runs, one short of K. It takes about 52 minutes here (README).
 BENCH_PRESETS = {"quick": PRESETS["quick"], "default": Preset(16, 64, 24, 2, 4, 2, 2, 8)}
 RETAIL_TURNS, RETAIL_TOKENS = 6, 96  # the support agent's horizon and reply length, as served
 
