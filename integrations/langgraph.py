@@ -24,7 +24,7 @@ from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tracers.context import register_configure_hook
 
 from trace_plugin.conversations import served_by
-from trace_plugin.payload import Lazy
+from trace_plugin.payload import MAX_DEPTH, MAX_NODES, Lazy
 from trace_plugin.tracer import ActiveEpisode, Tracer
 from trace_plugin.trajectory import Step, StepKind, utcnow
 
@@ -296,20 +296,39 @@ def message_to_openai(message: BaseMessage) -> dict[str, Any]:
 
 
 def to_openai_json(value: Any) -> Any:
-    """Messages anywhere inside ``value`` in OpenAI chat format; the rest as it is."""
-    if isinstance(value, BaseMessage):
-        return message_to_openai(value)
-    if isinstance(value, dict):
-        return {k: to_openai_json(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [to_openai_json(v) for v in value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # e.g. a Command update
-        fields = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
-        return {
-            "__type__": type(value).__name__,
-            **{k: to_openai_json(v) for k, v in fields if v is not None},
-        }
-    return value
+    """Messages anywhere inside ``value`` in OpenAI chat format; the rest as it is.
+
+    Bounded like :func:`trace_plugin.payload.to_jsonable`: below a cycle, the depth cap or
+    the node budget a value is left as it is, for the encoder to name.
+    """
+    budget = MAX_NODES
+    path: set[int] = set()
+
+    def walk(v: Any, depth: int) -> Any:
+        nonlocal budget
+        if isinstance(v, BaseMessage):
+            return message_to_openai(v)
+        is_record = dataclasses.is_dataclass(v) and not isinstance(v, type)  # e.g. a Command update
+        if not (is_record or isinstance(v, dict | list | tuple)):
+            return v
+        budget -= 1
+        if depth >= MAX_DEPTH or budget < 0 or id(v) in path:
+            return v
+        path.add(id(v))
+        try:
+            if isinstance(v, dict):
+                return {k: walk(x, depth + 1) for k, x in v.items()}
+            if not is_record:
+                return [walk(x, depth + 1) for x in v]
+            fields = ((f.name, getattr(v, f.name)) for f in dataclasses.fields(v))
+            return {
+                "__type__": type(v).__name__,
+                **{k: walk(x, depth + 1) for k, x in fields if x is not None},
+            }
+        finally:
+            path.discard(id(v))
+
+    return walk(value, 0)
 
 
 def _llm_input(args: tuple[list[BaseMessage], Any]) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,32 @@ def test_concurrent_first_use_creates_the_schema_once(tmp_path):
     outputs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
     assert Store(url).count("episodes") == 12
+
+
+@pytest.mark.parametrize(
+    ("mode", "returncode"), [("sigterm", -signal.SIGTERM), ("sigterm-app", 3), ("exit", 0)]
+)
+def test_sigterm_and_exit_store_every_finished_episode(mode, returncode, db_url):
+    """SIGTERM flushes, then hands the signal on: to the default action (the process still
+    dies of SIGTERM) or to the application's own handler. A normal exit flushes explicit
+    recorders as well as the default one."""
+    Store(db_url).upgrade()
+    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{HERE.parent}"}
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "shutdown_proc.py"), db_url, mode, "20"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout.readline().strip() == "done"
+    if mode != "exit":
+        proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == returncode, err
+    assert ("app shutdown" in out) == (mode == "sigterm-app")
+    store = Store(db_url)
+    [stats] = [s for s in store.stats() if s.agent == mode]
+    assert (stats.episodes, stats.finished) == (20, 20)
+    assert store.count("steps") == 20 * STEPS_PER_RUN
+    store.close()

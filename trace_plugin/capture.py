@@ -24,6 +24,7 @@ from typing import Any
 
 from trace_plugin.recorder import Recorder
 from trace_plugin.tracer import RewardFn, Tracer
+from trace_plugin.trajectory import check_agent_name
 
 
 class Capture:
@@ -41,7 +42,7 @@ class Capture:
         on_episode: Callable[[str], Any] | None = None,
         recorder: Recorder | None = None,
     ) -> None:
-        self.agent = agent
+        self.agent = agent if agent is None else check_agent_name(agent)
         self._tracer_options = dict(
             source=source,
             reward=reward,

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import re
+import reprlib
 from collections.abc import Callable, Mapping
 from datetime import date, datetime
 from enum import Enum
@@ -21,7 +22,8 @@ from trace_plugin.store.engine import JsonText
 
 DEFAULT_MAX_BYTES = 1_000_000
 TRUNCATED = "__truncated__"
-_MAX_DEPTH = 64
+MAX_DEPTH = 64
+MAX_NODES = 200_000  # containers converted per payload; past that, the rest is opaque
 
 Redactor = Callable[[str], str]
 _dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode  # one encoder, not one per call
@@ -41,46 +43,78 @@ class Lazy:
         self.arg = arg
 
 
-def to_jsonable(value: Any, redact: Redactor | None = None, _depth: int = 0) -> Any:
-    """A JSON-compatible copy of ``value``; what has no JSON form becomes its type and repr."""
-    if isinstance(value, Lazy):
-        value = value.fn(value.arg)
-    if isinstance(value, str):
-        return redact(value) if redact else value
-    if value is None or isinstance(value, bool | int):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)  # JSON has no NaN or Infinity
-    if _depth >= _MAX_DEPTH:
-        return _opaque(value, redact)
-    d = _depth + 1
-    if isinstance(value, Mapping):
-        return {str(k): to_jsonable(v, redact, d) for k, v in value.items()}
-    if isinstance(value, list | tuple | set | frozenset):
-        return [to_jsonable(v, redact, d) for v in value]
-    if isinstance(value, datetime | date):
-        return value.isoformat()
-    if isinstance(value, Enum):
-        return to_jsonable(value.value, redact, d)
-    if isinstance(value, bytes | bytearray):
-        return {"__type__": type(value).__name__, "length": len(value)}
-    if isinstance(value, BaseException):
-        return {"__type__": type(value).__name__, "error": to_jsonable(str(value), redact)}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        return to_jsonable(fields, redact, d)
-    dump = getattr(value, "model_dump", None)  # pydantic v2, which LangChain messages are
-    if callable(dump) and not isinstance(value, type):
+def to_jsonable(value: Any, redact: Redactor | None = None) -> Any:
+    """A JSON-compatible copy of ``value``; what has no JSON form becomes its type and repr.
+
+    The walk is bounded three ways: depth, a cycle check on the current path, and a total
+    node budget. Depth alone is not enough: a value whose two keys both point back at it
+    reaches the depth cap along 2^64 paths.
+    """
+    return _Walk(redact).convert(value, 0)
+
+
+class _Walk:
+    __slots__ = ("redact", "budget", "path")
+
+    def __init__(self, redact: Redactor | None) -> None:
+        self.redact = redact
+        self.budget = MAX_NODES
+        self.path: set[int] = set()  # ids of the containers being converted above this one
+
+    def text(self, value: str) -> str:
+        return self.redact(value) if self.redact else value
+
+    def convert(self, value: Any, depth: int) -> Any:
+        if isinstance(value, Lazy):
+            value = value.fn(value.arg)
+        if isinstance(value, str):
+            return self.text(value)
+        if value is None or isinstance(value, bool | int):
+            return value
+        if isinstance(value, float):
+            return value if math.isfinite(value) else str(value)  # JSON has no NaN or Infinity
+        self.budget -= 1
+        if depth >= MAX_DEPTH or self.budget < 0 or id(value) in self.path:
+            return _opaque(value, self.redact)
+        self.path.add(id(value))
         try:
-            return to_jsonable(dump(mode="json", exclude_none=True), redact, d)
-        except Exception:
-            return _opaque(value, redact)
-    return _opaque(value, redact)
+            return self._container(value, depth + 1)
+        finally:
+            self.path.discard(id(value))
+
+    def _container(self, value: Any, d: int) -> Any:
+        if isinstance(value, Mapping):
+            return {str(k): self.convert(v, d) for k, v in value.items()}
+        if isinstance(value, list | tuple | set | frozenset):
+            return [self.convert(v, d) for v in value]
+        if isinstance(value, datetime | date):
+            return value.isoformat()
+        if isinstance(value, Enum):
+            return self.convert(value.value, d)
+        if isinstance(value, bytes | bytearray):
+            return {"__type__": type(value).__name__, "length": len(value)}
+        if isinstance(value, BaseException):
+            return {"__type__": type(value).__name__, "error": self.text(str(value))}
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return self.convert({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, d)
+        dump = getattr(value, "model_dump", None)  # pydantic v2, which LangChain messages are
+        if callable(dump) and not isinstance(value, type):
+            try:
+                return self.convert(dump(mode="json", exclude_none=True), d)
+            except Exception:
+                return _opaque(value, self.redact)
+        return _opaque(value, self.redact)
+
+
+# Builtin containers get reprlib's bounded repr: a plain repr of a value shared along
+# many paths is as long as the walk it replaces.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 4, 200, 10_000
 
 
 def _opaque(value: Any, redact: Redactor | None) -> dict[str, Any]:
     try:
-        text = repr(value)
+        text = _REPR.repr(value) if isinstance(value, dict | list | tuple | set | frozenset) else repr(value)
     except Exception as exc:  # a broken __repr__ must not lose the record
         text = f"<repr failed: {type(exc).__name__}>"
     text = text[:10_000]
@@ -94,16 +128,9 @@ def encode(
 
     A cut payload is still valid JSON: ``{"__truncated__": true, "bytes": N, "preview": ...}``.
     """
-    if isinstance(value, Lazy):
-        value = value.fn(value.arg)
-    if value is None:
-        return None
-    text = None
-    if redact is None:  # fast path: most payloads are plain JSON already, and C dumps them
-        with contextlib.suppress(TypeError, ValueError):
-            text = _dumps(value)
+    text = _json_text(value, redact)
     if text is None:
-        text = _dumps(to_jsonable(value, redact))
+        return None
     raw = text.encode()
     if len(raw) <= max_bytes:
         return JsonText(text)
@@ -115,6 +142,22 @@ def encode(
         if size <= max_bytes or budget == 0:
             return JsonText(marker)
         budget = max(0, budget - (size - max_bytes) - 8)
+
+
+def _json_text(value: Any, redact: Redactor | None) -> str | None:
+    try:
+        if isinstance(value, Lazy):
+            value = value.fn(value.arg)
+        if value is None:
+            return None
+        if redact is None:  # fast path: most payloads are plain JSON already, and C dumps them
+            with contextlib.suppress(TypeError, ValueError, RecursionError):
+                return _dumps(value)
+        return _dumps(to_jsonable(value, redact))
+    except Exception as exc:  # a failing conversion (a Lazy's, a mapping's items()) must not lose the record
+        error = f"not encodable: {type(exc).__name__}: {exc}"[:1_000]
+        raw = value.arg if isinstance(value, Lazy) else value
+        return _dumps({"__type__": type(raw).__qualname__, "error": redact(error) if redact else error})
 
 
 def clip_text(

@@ -5,17 +5,25 @@ raises. One background thread encodes the records (JSON, truncation, redaction) 
 writes them in batches. When the database is down the thread holds its batch and
 retries; the queue fills and further records are dropped and counted, with one warning
 per outage, until writes succeed again.
+
+Every recorder with pending records is flushed when the interpreter exits and when the
+process gets SIGTERM (the stop signal of ``docker stop``, systemd and Kubernetes), whose
+default action would otherwise end it with its tail unwritten.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
-import queue
+import signal
 import threading
 import time
+import weakref
+from collections import deque
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
@@ -94,48 +102,59 @@ class Recorder:
         self.retry_interval = retry_interval
         self.written = 0
         self.dropped = 0
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
+        # A deque, not a queue.Queue: appending takes no lock, so a signal handler that
+        # interrupts the agent's thread mid-submit can still flush without deadlocking.
+        self._queue: deque[Any] = deque()
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
         self._schema_ready = False
         self._outage: str | None = None
+        _live.add(self)
+        install_term_handler()
 
     # -- agent side: never blocks, never raises --------------------------------------------
 
     def submit(self, record: Record, policy: PayloadPolicy = DEFAULT_POLICY) -> None:
         try:
             self._ensure_thread()
-            self._queue.put_nowait((record, policy))
-        except queue.Full:
-            self._count_drop(1)
+            if len(self._queue) >= self.max_queue:
+                self._count_drop(1, queue_full=True)
+            else:
+                self._queue.append((record, policy))
         except Exception:  # capture must never break the agent
             self._count_drop(1)
             log.exception("trace-plugin: could not queue a record")
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Wait until everything submitted so far is stored (or dropped). False on timeout."""
+        marker = self._mark()
+        return marker is None or marker.done.wait(timeout)
+
+    def _mark(self, *, from_signal: bool = False) -> _Flush | None:
+        """Queue a flush marker and wake the writer; None when nothing is pending.
+
+        From a signal handler the wake-up goes through a short-lived thread: setting an
+        Event takes a lock that the interrupted thread may be holding.
+        """
         if self._thread is None or not self._thread.is_alive():
-            return self._queue.empty()
+            return None if not self._queue else _Flush()  # never set: no writer will reach it
         marker = _Flush()
-        try:
-            self._queue.put(marker, timeout=timeout)
-        except queue.Full:
-            return False
-        self._wake.set()
-        return marker.done.wait(timeout)
+        self._queue.append(marker)
+        if from_signal:
+            threading.Thread(target=self._wake.set, daemon=True).start()
+        else:
+            self._wake.set()
+        return marker
 
     def close(self, timeout: float | None = 30.0) -> bool:
         """Flush, then stop the writer thread. Returns whether everything was stored."""
         flushed = self.flush(timeout)
         if self._thread is not None and self._thread.is_alive():
-            try:
-                self._queue.put(_STOP, timeout=1)
-                self._wake.set()
-                self._thread.join(timeout=5)
-            except queue.Full:
-                pass
+            self._queue.append(_STOP)
+            self._wake.set()
+            self._thread.join(timeout=5)
         self._thread = None
         return flushed
 
@@ -147,17 +166,19 @@ class Recorder:
                 return
             if self._pid != os.getpid():  # forked child: the parent's thread, queue and
                 self._pid = os.getpid()  # connections are not ours
-                self._queue = queue.Queue(maxsize=self.max_queue)
+                self._queue = deque()
                 self.store.engine.dispose(close=False)
             thread = threading.Thread(target=self._run, name="trace-plugin-writer", daemon=True)
             thread.start()
             self._thread = thread
+        install_term_handler()
 
-    def _count_drop(self, n: int) -> None:
+    def _count_drop(self, n: int, *, queue_full: bool = False) -> None:
+        """Count dropped records; the queue filling up is the one cause not logged where it happens."""
         with self._lock:
             first = self.dropped == 0
             self.dropped += n
-        if first and self._outage is None:
+        if queue_full and first and self._outage is None:
             log.warning("trace-plugin: recorder queue full; dropping records (counted in .dropped)")
 
     # -- writer thread -----------------------------------------------------------------
@@ -175,8 +196,8 @@ class Recorder:
             batch, markers = [], []
             while True:
                 try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
+                    item = self._queue.popleft()
+                except IndexError:
                     break
                 if item is _STOP:
                     stop = True
@@ -291,7 +312,10 @@ def configure(db_url: str | None = None, **options: Any) -> Recorder:
 
 
 def flush(timeout: float | None = 30.0) -> bool:
-    """Wait until every captured record so far is stored. False if that timed out."""
+    """Wait until every record captured so far through the default recorder is stored.
+
+    False if that timed out. A :class:`Recorder` of your own has its own ``flush``.
+    """
     return _default.flush(timeout) if _default is not None else True
 
 
@@ -310,7 +334,53 @@ def feedback(
     default_recorder().submit(record)
 
 
+# -- flushing every recorder at exit and on SIGTERM -------------------------------------
+
+_live: weakref.WeakSet[Recorder] = weakref.WeakSet()
+TERM_FLUSH_ENV = "TRACE_PLUGIN_TERM_FLUSH_S"
+_term_installed = False
+
+
+def flush_all(timeout: float | None, *, from_signal: bool = False) -> bool:
+    """Flush every live recorder at once, within ``timeout`` seconds in all (None: no limit)."""
+    markers = [m for m in (r._mark(from_signal=from_signal) for r in list(_live)) if m is not None]
+    if timeout is None:
+        return all(m.done.wait() for m in markers)
+    deadline = time.monotonic() + timeout
+    return all(m.done.wait(max(0.0, deadline - time.monotonic())) for m in markers)
+
+
+def install_term_handler() -> None:
+    """Flush on SIGTERM, then hand the signal on; installed once, from the main thread.
+
+    The flush waits at most ``$TRACE_PLUGIN_TERM_FLUSH_S`` seconds (5 by default, well
+    inside ``docker stop``'s 10 s grace; 0 installs nothing). Then the handler the
+    application had installed runs (uvicorn's graceful shutdown, say), or the default
+    action ends the process as SIGTERM would have. An application that installs its own
+    handler later replaces this one; its orderly exit then flushes through ``atexit``.
+    """
+    global _term_installed
+    if _term_installed or threading.current_thread() is not threading.main_thread():
+        return
+    _term_installed = True
+    timeout = float(os.environ.get(TERM_FLUSH_ENV, "5"))
+    if timeout <= 0:
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        flush_all(timeout, from_signal=True)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:  # the default action, or a handler set outside Python
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    with contextlib.suppress(ValueError, OSError):  # not the main interpreter, or no signals here
+        signal.signal(signal.SIGTERM, on_term)
+
+
 @atexit.register
 def _flush_at_exit() -> None:
-    if _default is not None:
-        _default.close(timeout=float(os.environ.get("TRACE_PLUGIN_EXIT_FLUSH_S", "30")))
+    timeout = float(os.environ.get("TRACE_PLUGIN_EXIT_FLUSH_S", "30"))
+    flush_all(timeout)

@@ -10,14 +10,24 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from trace_plugin.recorder import PayloadPolicy, Recorder, default_recorder
-from trace_plugin.trajectory import Episode, EpisodeEnd, EpisodeStatus, Step, StepKind, new_id, utcnow
+from trace_plugin.recorder import PayloadPolicy, Recorder, default_recorder, install_term_handler
+from trace_plugin.trajectory import (
+    Episode,
+    EpisodeEnd,
+    EpisodeStatus,
+    Step,
+    StepKind,
+    check_agent_name,
+    new_id,
+    utcnow,
+)
 
 log = logging.getLogger("trace_plugin")
 
@@ -53,13 +63,14 @@ class Tracer:
         on_episode: Callable[[str], Any] | None = None,
         recorder: Recorder | None = None,
     ) -> None:
-        self.agent = agent
+        self.agent = check_agent_name(agent)
         self.source = source
         self.reward_fn = reward
         self.metadata = metadata or {}
         self.on_episode = on_episode
         self.policy = PayloadPolicy.of(max_payload_bytes, redact)
         self._recorder = recorder
+        install_term_handler()  # here too: the default recorder may first be used off the main thread
 
     @property
     def recorder(self) -> Recorder:
@@ -76,7 +87,7 @@ class Tracer:
         router: str | None = None,
     ) -> ActiveEpisode:
         episode = Episode(
-            id=episode_id or new_id(),
+            id=new_id() if episode_id in (None, "") else str(episode_id),
             agent=self.agent,
             source=self.source,
             input=input,
@@ -114,10 +125,16 @@ class Tracer:
         status: EpisodeStatus | None = None,
         final_state: Any = None,
     ) -> None:
-        """Close an episode; ``reward=`` of the tracer scores ``final_state`` (or ``output``)."""
+        """Close an episode; ``reward=`` of the tracer scores ``final_state`` (or ``output``).
+
+        A reward function that fails or returns no number still ends the episode: it is
+        stored completed, with no reward and the scoring error in ``error``.
+        """
         reward = None
         if self.reward_fn is not None and error is None:
-            reward = self._score(final_state if final_state is not None else output)
+            reward, scoring_error = self._score(final_state if final_state is not None else output)
+            if scoring_error is not None:
+                error, status = scoring_error, status or "completed"
         if isinstance(error, BaseException):
             error = f"{type(error).__name__}: {error}"
         end = EpisodeEnd(
@@ -137,10 +154,15 @@ class Tracer:
             except Exception:
                 log.exception("trace-plugin: on_episode callback failed")
 
-    def _score(self, state: Any) -> float | None:
+    def _score(self, state: Any) -> tuple[float | None, str | None]:
+        """The reward for ``state``, or None and why the reward function gave none."""
         try:
             value = self.reward_fn(state)  # type: ignore[misc]
-        except Exception:
+            reward = None if value is None else float(value)
+        except Exception as exc:
             log.exception("trace-plugin: reward function failed for agent %r", self.agent)
-            return None
-        return None if value is None else float(value)
+            return None, f"scoring failed: {type(exc).__name__}: {exc}"
+        if reward is not None and not math.isfinite(reward):
+            log.warning("trace-plugin: reward function for agent %r returned %r", self.agent, value)
+            return None, f"scoring failed: the reward {value!r} is not a finite number"
+        return reward, None

@@ -17,7 +17,19 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 StepKind = Literal["llm", "tool", "node"]
+AGENT_NAME_LENGTH = 200  # the store's limit; a longer name is refused when a capture is set up
 EpisodeStatus = Literal["running", "completed", "error", "interrupted"]
+
+
+def check_agent_name(agent: Any) -> str:
+    """``agent`` if it can name an agent in every store, else a ValueError saying why."""
+    if not isinstance(agent, str) or not agent.strip():
+        raise ValueError(f"an agent name must be a non-empty string, not {agent!r:.80}")
+    if len(agent) > AGENT_NAME_LENGTH or "\x00" in agent:
+        raise ValueError(
+            f"agent name {agent[:40]!r}… is {len(agent)} characters; at most {AGENT_NAME_LENGTH}, with no NUL"
+        )
+    return agent
 
 
 def new_id() -> str:

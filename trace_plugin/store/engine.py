@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,15 @@ class JsonText(str):
     __slots__ = ()
 
 
-def _dump_json(value: Any) -> str:
-    return value if isinstance(value, JsonText) else json.dumps(value)
+# A JSON ``\u0000`` escape not itself escaped: an even run of backslashes before it.
+_NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+
+
+def json_for_store(value: Any) -> str:
+    """JSON text every backend stores alike: PostgreSQL's jsonb rejects ``\u0000``, SQLite
+    keeps it, so the escape becomes U+FFFD's on both."""
+    text = value if isinstance(value, JsonText) else json.dumps(value)
+    return _NUL_ESCAPE.sub(r"\1\\ufffd", text) if "\\u0000" in text else text
 
 
 def make_engine(url: str) -> Engine:
@@ -53,7 +61,7 @@ def make_engine(url: str) -> Engine:
     if parsed.get_backend_name() != "sqlite":
         return create_engine(
             url,
-            json_serializer=_dump_json,
+            json_serializer=json_for_store,
             pool_pre_ping=True,
             connect_args={"connect_timeout": 5},
         )
@@ -61,7 +69,7 @@ def make_engine(url: str) -> Engine:
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(
-        url, json_serializer=_dump_json, connect_args={"timeout": 30, "check_same_thread": False}
+        url, json_serializer=json_for_store, connect_args={"timeout": 30, "check_same_thread": False}
     )
 
     @event.listens_for(engine, "connect")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -21,7 +22,7 @@ from trace_plugin.experts import Expert
 from trace_plugin.jobs import Job
 from trace_plugin.mining.capability import Capability
 from trace_plugin.store import tables as t
-from trace_plugin.store.engine import JsonText, make_engine, resolve_url
+from trace_plugin.store.engine import json_for_store, make_engine, resolve_url
 from trace_plugin.trajectory import Episode, EpisodeEnd, Feedback, Step, utcnow
 
 Record = Episode | Step | EpisodeEnd | Feedback
@@ -50,6 +51,26 @@ def tool_hash(schema: dict[str, Any]) -> str:
     """Content hash of a tool schema, so identical schemas are stored once."""
     canonical = json.dumps(schema, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def fit_string(value: Any, length: int | None) -> str | None:
+    """A string as a column of ``length`` characters stores it, the same on every backend.
+
+    PostgreSQL rejects NUL characters and strings longer than a ``varchar``, where SQLite
+    keeps both. NUL becomes U+FFFD, and an over-long string its first characters, ``~``
+    and 16 hex digits of its SHA-256: distinct values stay distinct, and the same value
+    always maps to the same key, so an over-long episode id chosen by a caller finds its
+    episode again.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        value = str(value)
+    if "\x00" in value:
+        value = value.replace("\x00", "\ufffd")
+    if length is None or len(value) <= length:
+        return value
+    return f"{value[: length - 17]}~{hashlib.sha256(value.encode(errors='replace')).hexdigest()[:16]}"
 
 
 def _aware(value: datetime | None) -> datetime | None:
@@ -119,7 +140,7 @@ class Store:
         ends = [r for r in records if isinstance(r, EpisodeEnd)]
         feedback = [r for r in records if isinstance(r, Feedback)]
 
-        new_agents = {e.agent for e in started} - self._known_agents
+        new_agents = {_fit(t.agents.c.name, e.agent) for e in started} - self._known_agents
         if new_agents:
             now = utcnow()
             rows = [{"name": a, "created_at": now} for a in sorted(new_agents)]
@@ -133,7 +154,7 @@ class Store:
             self._bulk_insert(conn, t.steps, _STEP_COLUMNS, step_rows)
             new_tools = self._write_tools(conn, step_rows)
         if feedback:
-            conn.execute(t.feedback.insert(), [_to_row(f, _FEEDBACK_COLUMNS) for f in feedback])
+            conn.execute(t.feedback.insert(), [_feedback_row(f) for f in feedback])
             conn.execute(_APPLY_FEEDBACK, [_end_row(f) for f in feedback])
         return new_agents, new_tools
 
@@ -152,13 +173,18 @@ class Store:
         if new:
             now = utcnow()
             rows = [
-                {"hash": h, "name": _tool_name(schemas[h]), "schema": schemas[h], "created_at": now}
+                {
+                    "hash": h,
+                    "name": _fit(t.tool_schemas.c.name, _tool_name(schemas[h])),
+                    "schema": schemas[h],
+                    "created_at": now,
+                }
                 for h in sorted(new)
             ]
             conn.execute(self._insert_ignore(t.tool_schemas), rows)
         conn.execute(
             self._insert_ignore(t.episode_tools),
-            [{"episode_id": e, "tool_hash": h} for e, h in sorted(links)],
+            [{"episode_id": _fit(t.episode_tools.c.episode_id, e), "tool_hash": h} for e, h in sorted(links)],
         )
         return new
 
@@ -196,11 +222,14 @@ class Store:
 
     def _converter(self, column_type: Any) -> Any:
         """JSON columns take our JSON text (psycopg sends strings untyped, so it lands in
-        jsonb as is); SQLite datetimes take SQLAlchemy's storage format, naive UTC."""
+        jsonb as is); SQLite datetimes take SQLAlchemy's storage format, naive UTC; strings
+        are fitted to their column (:func:`fit_string`)."""
         if isinstance(column_type, t.JSON):
             return _json_value
         if isinstance(column_type, t.DateTime) and self.dialect == "sqlite":
             return _sqlite_datetime
+        if isinstance(column_type, t.String):
+            return functools.partial(fit_string, length=column_type.length)
         return None
 
     def _insert_ignore(self, table: t.Table) -> Any:
@@ -229,6 +258,7 @@ class Store:
 
     def get_episode(self, episode_id: str) -> Episode | None:
         """One episode with its steps in order, or None."""
+        episode_id = _fit(t.episodes.c.id, episode_id)
         with self._read_engine.connect() as conn:
             row = conn.execute(select(t.episodes).where(t.episodes.c.id == episode_id)).mappings()
             row = row.first()
@@ -242,6 +272,7 @@ class Store:
         return episode
 
     def feedback_for(self, episode_id: str) -> list[Feedback]:
+        episode_id = _fit(t.episodes.c.id, episode_id)
         query = select(t.feedback).where(t.feedback.c.episode_id == episode_id)
         with self._read_engine.connect() as conn:
             rows = conn.execute(query.order_by(t.feedback.c.id)).mappings().all()
@@ -483,7 +514,7 @@ _DEPLOYMENT_COLUMNS = _columns(t.deployments, Deployment)
 
 
 def _json_value(value: Any) -> str | None:
-    return value if value is None or isinstance(value, JsonText) else json.dumps(value)
+    return None if value is None else json_for_store(value)
 
 
 def _sqlite_datetime(value: datetime | None) -> str | None:
@@ -506,21 +537,34 @@ def _episode_from_row(row: Any) -> Episode:
     return episode
 
 
+def _fit(column: t.Column, value: Any) -> str | None:
+    return fit_string(value, column.type.length)
+
+
 def _end_row(r: EpisodeEnd | Feedback) -> dict[str, Any]:
+    e = t.episodes.c
     if isinstance(r, Feedback):
-        return {"b_id": r.episode_id, "b_reward": r.reward, "b_label": r.label}
+        return {"b_id": _fit(e.id, r.episode_id), "b_reward": r.reward, "b_label": _fit(e.label, r.label)}
     return {
-        "b_id": r.episode_id,
+        "b_id": _fit(e.id, r.episode_id),
         "b_status": r.status,
         "b_output": r.output,
         "b_reward": r.reward,
-        "b_label": r.label,
-        "b_error": r.error,
-        "b_model": r.model,
-        "b_adapter": r.adapter,
-        "b_router": r.router,
+        "b_label": _fit(e.label, r.label),
+        "b_error": _fit(e.error, r.error),
+        "b_model": _fit(e.model, r.model),
+        "b_adapter": _fit(e.adapter, r.adapter),
+        "b_router": _fit(e.router, r.router),
         "b_ended_at": r.ended_at,
     }
+
+
+def _feedback_row(f: Feedback) -> dict[str, Any]:
+    c = t.feedback.c
+    row = _to_row(f, _FEEDBACK_COLUMNS)
+    for name in ("episode_id", "label", "source", "comment"):
+        row[name] = _fit(c[name], row[name])
+    return row
 
 
 def _tool_name(schema: dict[str, Any]) -> str:

@@ -26,6 +26,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
+from trace_plugin.trajectory import AGENT_NAME_LENGTH
+
 metadata = MetaData()
 
 # JSONB on PostgreSQL (indexable, compact); JSON text elsewhere.
@@ -37,7 +39,7 @@ Timestamp = DateTime(timezone=True)
 agents = Table(
     "agents",
     metadata,
-    Column("name", String(200), primary_key=True),
+    Column("name", String(AGENT_NAME_LENGTH), primary_key=True),
     Column("created_at", Timestamp, nullable=False),
 )
 
@@ -45,7 +47,7 @@ episodes = Table(
     "episodes",
     metadata,
     Column("id", String(64), primary_key=True),
-    Column("agent", String(200), ForeignKey("agents.name"), nullable=False),
+    Column("agent", String(AGENT_NAME_LENGTH), ForeignKey("agents.name"), nullable=False),
     Column("source", String(64), nullable=False),
     Column("status", String(16), nullable=False),
     Column("input", Json),
@@ -118,7 +120,7 @@ capabilities = Table(
     "capabilities",
     metadata,
     Column("id", BigId, primary_key=True, autoincrement=True),
-    Column("agent", String(200), ForeignKey("agents.name"), nullable=False),
+    Column("agent", String(AGENT_NAME_LENGTH), ForeignKey("agents.name"), nullable=False),
     Column("mining_run", String(64), nullable=False),  # the capabilities one mining pass found
     Column("name", String(200), nullable=False),
     Column("description", Text, nullable=False),
@@ -136,7 +138,7 @@ env_specs = Table(
     "env_specs",
     metadata,
     Column("id", BigId, primary_key=True, autoincrement=True),
-    Column("agent", String(200), ForeignKey("agents.name"), nullable=False),
+    Column("agent", String(AGENT_NAME_LENGTH), ForeignKey("agents.name"), nullable=False),
     Column("name", String(200), nullable=False),
     Column("version", Integer, nullable=False),  # 1, 2, ... per name
     Column("capability", String(200), nullable=False),
@@ -151,7 +153,7 @@ experts = Table(
     "experts",
     metadata,
     Column("id", String(64), primary_key=True),
-    Column("agent", String(200), ForeignKey("agents.name"), nullable=False),
+    Column("agent", String(AGENT_NAME_LENGTH), ForeignKey("agents.name"), nullable=False),
     Column("capability", String(200), nullable=False),
     Column("env_name", String(200), nullable=False),
     Column("env_version", Integer, nullable=False),
@@ -171,7 +173,7 @@ jobs = Table(
     "jobs",
     metadata,
     Column("id", String(200), primary_key=True),  # cycle/stage/key: one job per unit of work, ever
-    Column("agent", String(200), ForeignKey("agents.name"), nullable=False),
+    Column("agent", String(AGENT_NAME_LENGTH), ForeignKey("agents.name"), nullable=False),
     Column("cycle", String(64), nullable=False),
     Column("stage", String(32), nullable=False),
     Column("key", String(200), nullable=False),
@@ -189,7 +191,7 @@ deployments = Table(
     "deployments",
     metadata,
     Column("id", String(64), primary_key=True),  # the cycle that produced it
-    Column("agent", String(200), ForeignKey("agents.name"), nullable=False),
+    Column("agent", String(AGENT_NAME_LENGTH), ForeignKey("agents.name"), nullable=False),
     Column("status", String(16), nullable=False),  # "live", "rejected", "superseded", "rolled_back"
     Column("adapters", Json, nullable=False),  # capability -> name@version
     Column("router", Json, nullable=False),  # the router spec the gateway runs
