@@ -153,7 +153,7 @@ def play_hostile_corpus(rec: Recorder) -> None:
     )
     tracer = Tracer("a" * 200, recorder=rec)  # the longest name the store takes
     active = tracer.start_episode({"text": "\x00"}, episode_id="direct", model="m" * 300)
-    step = Step(active.id, 0, "tool", "n" * 300, input={"k": "\x00"}, error="bad\x00", tool_call_id="c" * 300)
+    step = Step(active.id, 0, "tool", "n" * 300, input={"k": "\ud800"}, error="bad\x00", tool_call_id="c" * 300)
     tracer.record_step(step)
     tracer.end_episode(active, output="done\x00")
 
@@ -196,7 +196,8 @@ def test_hostile_payloads_store_the_same_on_sqlite_and_postgres(sqlite_url, pg_u
     assert nul_step["output"] == "order O-\ufffd\ufffd is pending"
     assert direct["agent"] == "a" * 200 and direct["output"] == "done\ufffd" and len(direct["model"]) == 200
     [step] = direct["steps"]
-    assert step["error"] == "bad\ufffd" and len(step["name"]) == 200 and len(step["tool_call_id"]) == 200
+    assert step["error"] == "bad\ufffd" and step["input"] == {"k": "\ufffd"}  # a lone surrogate
+    assert len(step["name"]) == 200 and len(step["tool_call_id"]) == 200
 
 
 def test_an_over_long_agent_name_is_refused_before_any_agent_runs():

@@ -39,7 +39,7 @@ def test_to_jsonable_keeps_types_it_can_and_names_the_rest():
     assert out["1"] == {"x": 1, "y": 2.5}
     assert out["when"] == "2026-01-02T00:00:00+00:00"
     assert out["tags"] == ["a"] and out["blob"] == {"__type__": "bytes", "length": 2}
-    assert out["nan"] == "nan"
+    assert out["nan"] is None
     assert out["err"] == {"__type__": "ValueError", "error": "boom"}
     assert out["bad"] == {"__type__": "BadRepr", "repr": "<repr failed: RuntimeError>"}
     assert out["lazy"] == "LATER"

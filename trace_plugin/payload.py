@@ -18,6 +18,8 @@ from datetime import date, datetime
 from enum import Enum
 from typing import Any
 
+import orjson
+
 from trace_plugin.store.engine import JsonText
 
 DEFAULT_MAX_BYTES = 1_000_000
@@ -72,7 +74,7 @@ class _Walk:
         if value is None or isinstance(value, bool | int):
             return value
         if isinstance(value, float):
-            return value if math.isfinite(value) else str(value)  # JSON has no NaN or Infinity
+            return value if math.isfinite(value) else None  # JSON has no NaN or Infinity; orjson writes null
         self.budget -= 1
         if depth >= MAX_DEPTH or self.budget < 0 or id(value) in self.path:
             return _opaque(value, self.redact)
@@ -150,14 +152,19 @@ def _json_text(value: Any, redact: Redactor | None) -> str | None:
             value = value.fn(value.arg)
         if value is None:
             return None
-        if redact is None:  # fast path: most payloads are plain JSON already, and C dumps them
-            with contextlib.suppress(TypeError, ValueError, RecursionError):
-                return _dumps(value)
-        return _dumps(to_jsonable(value, redact))
+        if redact is None:  # fast path: most payloads are plain JSON already, and orjson dumps them
+            with contextlib.suppress(TypeError):  # orjson.JSONEncodeError: a type, a cycle, a lone surrogate
+                return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+        text = _dumps(to_jsonable(value, redact))
     except Exception as exc:  # a failing conversion (a Lazy's, a mapping's items()) must not lose the record
         error = f"not encodable: {type(exc).__name__}: {exc}"[:1_000]
         raw = value.arg if isinstance(value, Lazy) else value
-        return _dumps({"__type__": type(raw).__qualname__, "error": redact(error) if redact else error})
+        text = _dumps({"__type__": type(raw).__qualname__, "error": redact(error) if redact else error})
+    # A lone surrogate has no UTF-8 form, so no database can store it.
+    return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def clip_text(
@@ -168,7 +175,7 @@ def clip_text(
         return None
     if redact:
         value = redact(value)
-    raw = value.encode()
+    raw = value.encode(errors="surrogatepass")  # the store replaces lone surrogates
     if len(raw) <= max_bytes:
         return value
     return raw[: max(0, max_bytes - 40)].decode(errors="ignore") + f"…[{TRUNCATED} {len(raw)} bytes]"

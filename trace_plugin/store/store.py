@@ -5,10 +5,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -57,20 +59,38 @@ def fit_string(value: Any, length: int | None) -> str | None:
     """A string as a column of ``length`` characters stores it, the same on every backend.
 
     PostgreSQL rejects NUL characters and strings longer than a ``varchar``, where SQLite
-    keeps both. NUL becomes U+FFFD, and an over-long string its first characters, ``~``
-    and 16 hex digits of its SHA-256: distinct values stay distinct, and the same value
-    always maps to the same key, so an over-long episode id chosen by a caller finds its
-    episode again.
+    keeps both, and neither stores a lone surrogate (it has no UTF-8 form). Those
+    characters become U+FFFD, and an over-long string its first characters, ``~`` and 16
+    hex digits of its SHA-256: distinct values stay distinct, and the same value always
+    maps to the same key, so an over-long episode id chosen by a caller finds its episode
+    again.
     """
     if value is None:
         return None
-    if not isinstance(value, str):
-        value = str(value)
-    if "\x00" in value:
-        value = value.replace("\x00", "\ufffd")
+    value = _UNSTORABLE.sub("\ufffd", value if isinstance(value, str) else str(value))
     if length is None or len(value) <= length:
         return value
-    return f"{value[: length - 17]}~{hashlib.sha256(value.encode(errors='replace')).hexdigest()[:16]}"
+    return f"{value[: length - 17]}~{hashlib.sha256(value.encode()).hexdigest()[:16]}"
+
+
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+@functools.cache
+def _fitter(length: int | None) -> Callable[[Any], str | None]:
+    """:func:`fit_string` for one column, with the common case (short, clean ASCII) inline."""
+
+    def fit(value: Any) -> str | None:
+        if value is None or (
+            type(value) is str
+            and value.isascii()
+            and "\x00" not in value
+            and (length is None or len(value) <= length)
+        ):
+            return value
+        return fit_string(value, length)
+
+    return fit
 
 
 def _aware(value: datetime | None) -> datetime | None:
@@ -210,15 +230,14 @@ class Store:
         placeholder = "?" if self.engine.dialect.paramstyle == "qmark" else "%s"
         values = ", ".join([placeholder] * len(columns))
         sql = f"INSERT INTO {table.name} ({', '.join(columns)}) VALUES ({values})"
-        converters = [self._converter(table.c[c].type) for c in columns]
-        rows = [
-            tuple(
-                getattr(r, c) if f is None else f(getattr(r, c))
-                for f, c in zip(converters, columns, strict=True)
-            )
-            for r in records
-        ]
-        conn.exec_driver_sql(sql, rows)
+        # Column by column: one attrgetter call per record, then each converter mapped
+        # over its column, a third of the cost of converting row by row.
+        by_column = list(zip(*map(attrgetter(*columns), records), strict=True))
+        for i, name in enumerate(columns):
+            convert = self._converter(table.c[name].type)
+            if convert is not None:
+                by_column[i] = map(convert, by_column[i])
+        conn.exec_driver_sql(sql, list(zip(*by_column, strict=True)))
 
     def _converter(self, column_type: Any) -> Any:
         """JSON columns take our JSON text (psycopg sends strings untyped, so it lands in
@@ -229,7 +248,7 @@ class Store:
         if isinstance(column_type, t.DateTime) and self.dialect == "sqlite":
             return _sqlite_datetime
         if isinstance(column_type, t.String):
-            return functools.partial(fit_string, length=column_type.length)
+            return _fitter(column_type.length)
         return None
 
     def _insert_ignore(self, table: t.Table) -> Any:
