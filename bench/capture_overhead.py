@@ -5,7 +5,9 @@ Side by side in one run:
   decorated, in alternating blocks, with a zero-latency model and with 50 ms latency.
   The decorated time includes draining the recorder's queue, so no work hides in a backlog;
 - sustained events/s from the recorder into SQLite and into PostgreSQL;
-- events lost anywhere in the run (expected against stored rows).
+- events lost anywhere in the run (expected against stored rows);
+- the kill -9 window: an agent process capturing flat out is killed with SIGKILL, and the
+  oldest finished run missing from the store says how much work such a crash can lose.
 
 Usage: python bench/capture_overhead.py [--quick] [--postgres URL]
 """
@@ -14,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -111,6 +116,47 @@ def events_per_second(url: str, n_steps: int) -> tuple[float, int]:
     return len(records) / elapsed, n_steps - stored
 
 
+def kill9_child(url: str) -> None:
+    """Run the decorated agent flat out, printing each finished run's id and wall time."""
+    trace_plugin.configure(url)
+
+    def finished(episode_id: str) -> None:
+        print(episode_id, time.time(), flush=True)
+
+    graph = trace_plugin.capture(agent="kill9", on_episode=finished)(make_agent(0.0))
+    for i in range(10**9):
+        graph.invoke({"messages": [("user", f"where is my order? ticket {i}")]})
+
+
+def kill9_window(url: str, trials: int, seconds: float) -> tuple[float, int, int]:
+    """SIGKILL a capturing agent mid-run; return (window s, lost runs, finished runs).
+
+    The window is the kill's time minus the finish of the oldest finished run that was
+    not stored: how far back a crash reaches, under the agent's full load.
+    """
+    store = Recorder(url).store
+    store.upgrade()
+    window, lost, finished = 0.0, 0, 0
+    for _ in range(trials):
+        child = subprocess.Popen(
+            [sys.executable, __file__, "--kill9-child", url], stdout=subprocess.PIPE, text=True
+        )
+        child.stdout.readline()  # started: imports done, the first run stored or queued
+        time.sleep(seconds)
+        killed_at = time.time()
+        os.kill(child.pid, signal.SIGKILL)
+        runs = dict(line.split() for line in child.stdout.read().splitlines())
+        child.wait()
+        stored = {e.id for e in store.list_episodes("kill9", limit=10**6) if e.status != "running"}
+        missing = [float(at) for episode_id, at in runs.items() if episode_id not in stored]
+        finished += len(runs)
+        lost += len(missing)
+        if missing:
+            window = max(window, killed_at - min(missing))
+    store.close()
+    return window, lost, finished
+
+
 def fresh_postgres(server: str) -> tuple[str, callable] | None:
     admin = create_engine(server, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
     name = f"trace_bench_{uuid.uuid4().hex[:8]}"
@@ -139,7 +185,10 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="a short smoke run (< 1 minute)")
     parser.add_argument("--postgres", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+    parser.add_argument("--kill9-child", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.kill9_child:
+        return kill9_child(args.kill9_child)
     runs_fast, runs_slow, n_events = (150, 20, 20_000) if args.quick else (1_000, 500, 200_000)
     console = Console()
 
@@ -152,6 +201,7 @@ def main() -> None:
         agent_lost = expected_runs * EVENTS_PER_RUN - count_events(recorder)
         recorder.close()
         sqlite_rate, sqlite_lost = events_per_second(f"sqlite:///{Path(tmp) / 'throughput.db'}", n_events)
+        crash = kill9_window(f"sqlite:///{Path(tmp) / 'kill9.db'}", *((2, 2.0) if args.quick else (5, 4.0)))
 
     pg = fresh_postgres(args.postgres)
     pg_rate, pg_lost = None, 0
@@ -181,6 +231,10 @@ def main() -> None:
         f"events lost: {agent_lost} of {expected_runs * EVENTS_PER_RUN} from agent runs, "
         f"{sqlite_lost + pg_lost} from throughput runs"
     )
+    console.print(
+        f"kill -9 of an agent capturing flat out (SQLite, recorder interval 0.2 s): {crash[1]} of "
+        f"{crash[2]} finished runs lost; the oldest finished {crash[0]:.2f} s before the kill"
+    )
 
     print(
         json.dumps(
@@ -192,6 +246,8 @@ def main() -> None:
                 "sqlite_events_per_s": round(sqlite_rate),
                 "postgres_events_per_s": None if pg_rate is None else round(pg_rate),
                 "lost_events": lost,
+                "kill9_window_s": round(crash[0], 3),
+                "kill9_lost_runs": crash[1],
             }
         )
     )

@@ -182,3 +182,35 @@ def test_a_forked_child_records_through_its_own_writer(sqlite_url):
     assert os.waitstatus_to_exitcode(status) == 0
     assert {s.agent for s in rec.store.stats()} == {"parent", "child"}
     rec.close()
+
+
+def test_the_writer_keeps_its_cadence_however_long_a_drain_takes(sqlite_url, monkeypatch):
+    """What bounds the kill -9 window (bench/capture_overhead.py measures it): the next drain
+    is due one interval after the last one started, not after it finished."""
+    from trace_plugin import recorder as recorder_module
+
+    now = [0.0]
+    monkeypatch.setattr(recorder_module, "_clock", lambda: now[0])
+    rec = Recorder(sqlite_url, interval=0.2)
+    waits: list[float] = []
+
+    class Wake(threading.Event):
+        def wait(self, timeout=None):
+            waits.append(round(timeout, 6))
+            return super().wait(0.01)
+
+    rec._wake = Wake()
+    store_write = rec.store.write
+
+    def slow_write(records):
+        store_write(records)
+        now[0] += 0.15  # this drain took 0.15 s of the 0.2 s interval
+
+    rec.store.write = slow_write
+    try:
+        rec.submit(Episode(id=new_id(), agent="cadence"))
+        assert rec.flush(10) and rec.written == 1
+        assert waits[0] == 0.2 and 0.05 in waits
+    finally:
+        rec.close(5)
+        rec.store.close()

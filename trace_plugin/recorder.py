@@ -81,6 +81,7 @@ class _Flush:
 
 
 _STOP = object()
+_clock = time.monotonic  # the writer's cadence; a test drives it by hand
 
 
 class Recorder:
@@ -188,11 +189,15 @@ class Recorder:
 
         Waking per record would hand the GIL back and forth with the agent's threads for
         every event; waking a few times a second keeps the agent's own threads running.
+        The cadence runs from the start of each drain, so a record waits at most one
+        interval plus one drain, however long the drains take.
         """
         stop = False
+        next_drain = _clock() + self.interval
         while not stop:
-            self._wake.wait(self.interval)
+            self._wake.wait(max(0.0, next_drain - _clock()))
             self._wake.clear()
+            next_drain = _clock() + self.interval
             batch, markers = [], []
             while True:
                 try:
