@@ -14,6 +14,7 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Any, TypeVar
 
+import orjson
 from sqlalchemy import Engine, bindparam, case, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
@@ -115,7 +116,7 @@ class Store:
         self._known_agents: set[str] = set()
         self._known_tools: set[str] = set()
         # Agents offer the same schema objects on every call: hash each object once.
-        self._hashes: dict[int, tuple[dict[str, Any], str]] = {}
+        self._hashes: dict[bytes, str] = {}
 
     @property
     def dialect(self) -> str:
@@ -209,13 +210,21 @@ class Store:
         return new
 
     def _hash_of(self, schema: dict[str, Any]) -> str:
-        cached = self._hashes.get(id(schema))
-        if cached is not None and cached[0] is schema:  # the entry keeps the object, so ids stay unique
-            return cached[1]
-        if len(self._hashes) > 10_000:
-            self._hashes.clear()
-        digest = tool_hash(schema)
-        self._hashes[id(schema)] = (schema, digest)
+        """:func:`tool_hash`, cached by content: capture sources build a new dict per call.
+
+        The key is orjson's sorted dump, which is cheap and is bytes, so the cache holds
+        nothing the garbage collector must scan (a cache keyed by the dicts themselves
+        kept thousands of them alive and slowed every collection).
+        """
+        try:
+            key = orjson.dumps(schema, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
+        except TypeError:  # not plain JSON: hash it the slow way, uncached
+            return tool_hash(schema)
+        digest = self._hashes.get(key)
+        if digest is None:
+            if len(self._hashes) >= 4_096:
+                self._hashes.clear()
+            digest = self._hashes[key] = tool_hash(schema)
         return digest
 
     def _bulk_insert(
