@@ -24,6 +24,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trace_plugin.chat_template import REPLY_FORBIDDEN
 from trace_plugin.conversations import ConversationEpisodes, ModelCall, fingerprint
@@ -121,17 +123,21 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return _error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return _error(
-            400, f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "")
-        )
+        message = first.get("msg", "invalid request")
+        return _error(400, f"{where}: {message}" if where else message, param=where or None)
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next: Any) -> Any:
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > config.max_body_bytes:
-            return _error(413, f"request body over {config.max_body_bytes} bytes")
-        return await call_next(request)
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's and FastAPI's own errors (unknown path, a body that cannot be parsed,
+        such as one nested too deep) in OpenAI's shape too."""
+        response = _error(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})
+        return response
+
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
 
     # -- model listing and health ------------------------------------------------------------
 
@@ -416,11 +422,42 @@ BASE_MODEL = "base"  # the base model itself, whatever the router would choose
 
 
 def _error(
-    status: int, message: str, type_: str = "invalid_request_error", code: str | None = None
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
 ) -> JSONResponse:
     return JSONResponse(
-        {"error": {"message": message, "type": type_, "param": None, "code": code}}, status_code=status
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status
     )
+
+
+class BodyLimit:
+    """Refuses a request body over ``max_bytes`` with a 413: at once when its Content-Length
+    says so, else as soon as the bytes read pass it (a chunked body declares no length)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = f"request body over {self.max_bytes} bytes"
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await _error(413, too_large)(scope, receive, send)
+        read = 0
+
+        async def counted() -> Message:
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.max_bytes:  # FastAPI passes an HTTPException from here on as it is
+                raise HTTPException(413, too_large)
+            return message
+
+        await self.app(scope, counted, send)
 
 
 def _is_loopback(host: str) -> bool:

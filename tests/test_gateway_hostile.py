@@ -1,0 +1,170 @@
+"""Hostile requests get a 4xx in OpenAI's error shape, and the gateway keeps serving.
+
+A scripted backend stands in for the model, since what a request may do to the gateway is
+the point, not generation; prompts are still rendered with the real tokenizer's template.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import select
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from trace_plugin import Recorder
+from trace_plugin.gateway.app import GatewayConfig, create_app
+from trace_plugin.gateway.backend import Completion, SamplingParams
+from trace_plugin.gateway.server import start_in_thread
+from trace_plugin.model_files import prepare_tokenizer, resolve_model
+
+
+class ScriptedBackend:
+    """Answers every prompt with the same reply, and keeps every prompt it was asked."""
+
+    model_id = "scripted"
+    max_lora_rank = 64
+
+    def __init__(self, tokenizer: Any, reply: str = "All done.") -> None:
+        self.tokenizer, self.reply = tokenizer, reply
+        self.prompts: list[str] = []
+
+    def render(self, messages: list[dict], tools: list[dict] | None) -> str:
+        from trace_plugin.chat_template import render
+
+        return render(self.tokenizer, messages, tools)
+
+    async def generate(self, prompt: str, params: SamplingParams, adapter: str | None) -> list[Completion]:
+        self.prompts.append(prompt)
+        return [Completion(self.reply, [1, 2, 3], "stop", [4, 5]) for _ in range(params.n)]
+
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        return [[1.0, 0.0] for _ in texts]
+
+    async def load_adapter(self, name: str, path: Path) -> None: ...
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+    async def adapters(self) -> set[str]:
+        return set()
+
+    async def close(self) -> None: ...
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return prepare_tokenizer(AutoTokenizer.from_pretrained(resolve_model(None), local_files_only=True))
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer) -> ScriptedBackend:
+    return ScriptedBackend(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def recorder(tmp_path_factory) -> Recorder:
+    recorder = Recorder(f"sqlite:///{tmp_path_factory.mktemp('db') / 'hostile.db'}")
+    yield recorder
+    recorder.close()
+
+
+@pytest.fixture(scope="module")
+def app(backend, recorder, tmp_path_factory):
+    config = GatewayConfig(
+        adapter_root=tmp_path_factory.mktemp("adapters"),
+        agent="hostile",
+        allow_remote_admin=True,  # the test client is not a loopback address
+    )
+    return create_app(backend, config=config, recorder=recorder)
+
+
+@pytest.fixture(scope="module")
+def client(app) -> TestClient:
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+def assert_openai_error(response, status: int | None = None) -> None:
+    expected = response.status_code == status if status else 400 <= response.status_code < 500
+    assert expected, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": "scripted", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, **extra}
+
+
+def completion(**extra: Any) -> dict[str, Any]:
+    return {"model": "scripted", "prompt": "Once upon a time", "max_tokens": 1, **extra}
+
+
+# -- the body limit holds on the bytes read ---------------------------------------------
+
+
+def post_chunked(port: int, path: str, body: bytes, chunk: int = 16 * 1024) -> tuple[int, dict]:
+    """POST ``body`` with chunked transfer (no Content-Length), stopping early if the server
+    answers first; returns the status and the JSON answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode())
+        for start in range(0, len(body), chunk):
+            if select.select([sock], [], [], 0)[0]:  # answered before the body ended
+                break
+            part = body[start : start + chunk]
+            sock.sendall(b"%x\r\n%s\r\n" % (len(part), part))
+        else:
+            sock.sendall(b"0\r\n\r\n")
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        return response.status, json.loads(response.read())
+
+
+SMALL_LIMIT = 64 * 1024  # the same code path as the default 8 MB, faster to cross
+
+
+def test_a_chunked_body_over_the_limit_is_refused_and_never_reaches_the_backend(backend, tmp_path):
+    config = GatewayConfig(adapter_root=tmp_path, max_body_bytes=SMALL_LIMIT, record=False)
+    huge = json.dumps(completion(prompt="x" * (16 * SMALL_LIMIT))).encode()
+    fits = json.dumps(completion(prompt="y" * (SMALL_LIMIT // 2))).encode()
+    with start_in_thread(create_app(backend, config=config)) as server:
+        before = len(backend.prompts)
+        status, answer = post_chunked(server.port, "/v1/completions", huge)
+        assert status == 413 and set(answer["error"]) == {"message", "type", "param", "code"}, answer
+        assert len(backend.prompts) == before and not any(p.startswith("xxx") for p in backend.prompts)
+        status, answer = post_chunked(server.port, "/v1/completions", fits)  # still serving, chunked too
+        assert status == 200 and answer["choices"][0]["text"] == backend.reply, answer
+
+
+# -- errors in OpenAI's shape, the framework's own too -----------------------------------
+
+
+DEEP = 50_000
+
+
+@pytest.mark.parametrize(
+    ("content", "status"),
+    [
+        (b'{"model": "scripted", "messages": ' + b"[" * DEEP + b"]" * DEEP + b"}", 400),
+        (b"{not json", 400),
+        (b"", 400),
+        (b"[1, 2]", 400),
+    ],
+)
+def test_unparsable_bodies_answer_in_openai_shape(client, content, status):
+    r = client.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+    assert_openai_error(r, status)
+
+
+def test_framework_errors_answer_in_openai_shape(client):
+    assert_openai_error(client.get("/v1/no-such-endpoint"), 404)
+    r = client.get("/v1/chat/completions")
+    assert_openai_error(r, 405)
+    assert "POST" in r.headers["allow"]
