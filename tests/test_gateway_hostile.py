@@ -168,3 +168,48 @@ def test_framework_errors_answer_in_openai_shape(client):
     r = client.get("/v1/chat/completions")
     assert_openai_error(r, 405)
     assert "POST" in r.headers["allow"]
+
+
+# -- bad input is a 4xx before anything is generated -------------------------------------
+
+
+HOSTILE = [
+    ("/v1/chat/completions", chat(metadata={"trace_episode_id": {"a": 1}}), "trace_episode_id"),
+    ("/v1/chat/completions", chat(metadata={"trace_episode_id": ["a"]}), "trace_episode_id"),
+    ("/v1/chat/completions", chat(metadata={"trace_agent": ["a"]}), "trace_agent"),
+    ("/v1/completions", completion(metadata={"trace_episode_id": {"a": 1}}), "trace_episode_id"),
+    ("/v1/chat/completions", chat(metadata={"trace_episode_id": "e" * 65}), "trace_episode_id"),
+    ("/v1/chat/completions", chat(seed=2**70), "seed"),
+    ("/v1/completions", completion(seed=-(2**64)), "seed"),
+    ("/v1/chat/completions", chat(stop=["s"] * 2000), "stop"),
+    ("/v1/chat/completions", chat(stop=["a", "b", "c", "d", "e"]), "stop"),
+    ("/v1/chat/completions", chat(stop=""), "stop"),
+    ("/v1/completions", completion(stop=["z" * 201]), "stop"),
+    ("/v1/completions", completion(prompt=["p"] * 2000), "prompt"),
+    ("/v1/completions", completion(prompt=[]), "prompt"),
+    ("/v1/completions", completion(prompt=""), "prompt"),
+    ("/v1/load_lora_adapter", {"lora_name": "a@1", "lora_path": "a\x00b"}, "NUL"),
+    ("/v1/load_lora_adapter", {"lora_name": "a@1", "lora_path": "a" * 5000}, "lora_path"),
+    ("/v1/load_lora_adapter", {"lora_name": "a@1", "lora_path": "a" * 300}, "too long"),  # one name too long
+]
+
+
+@pytest.mark.parametrize(("path", "body", "needle"), HOSTILE)
+def test_bad_input_gets_a_4xx_before_generation(client, backend, path, body, needle):
+    before = len(backend.prompts)
+    r = client.post(path, json=body)
+    assert_openai_error(r)
+    assert needle in r.json()["error"]["message"]
+    assert len(backend.prompts) == before, "nothing may be generated for a request that is refused"
+    assert client.post("/v1/chat/completions", json=chat()).status_code == 200  # and it keeps serving
+
+
+@pytest.mark.parametrize(
+    ("headers", "needle"),
+    [({"X-Trace-Episode": "e" * 65}, "X-Trace-Episode"), ({"X-Trace-Agent": "a" * 201}, "X-Trace-Agent")],
+)
+def test_trace_headers_are_bounded_like_the_store(client, backend, headers, needle):
+    before = len(backend.prompts)
+    r = client.post("/v1/chat/completions", json=chat(), headers=headers)
+    assert_openai_error(r, 400)
+    assert needle in r.json()["error"]["message"] and len(backend.prompts) == before

@@ -32,6 +32,8 @@ from trace_plugin.conversations import ConversationEpisodes, ModelCall, fingerpr
 from trace_plugin.gateway.adapters import AdapterError, AdapterRegistry
 from trace_plugin.gateway.backend import Backend, BackendError, Completion, SamplingParams
 from trace_plugin.gateway.protocol import (
+    MAX_AGENT,
+    MAX_EPISODE_ID,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
@@ -210,9 +212,23 @@ def create_app(
             if full:
                 registry.release(full)
 
+    def trace_ids(
+        request: Request, body: ChatCompletionRequest | CompletionRequest
+    ) -> tuple[str, str | None]:
+        """The agent and the episode a call is recorded under, checked before it is served."""
+        meta = body.metadata
+        agent = request.headers.get(AGENT_HEADER) or (meta and meta.trace_agent) or config.agent
+        episode = request.headers.get(EPISODE_HEADER) or (meta and meta.trace_episode_id) or None
+        if len(agent) > MAX_AGENT:
+            raise GatewayError(400, f"{AGENT_HEADER}: an agent name is at most {MAX_AGENT} characters")
+        if episode is not None and len(episode) > MAX_EPISODE_ID:
+            raise GatewayError(400, f"{EPISODE_HEADER}: an episode id is at most {MAX_EPISODE_ID} characters")
+        return agent, episode
+
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         started, t0 = utcnow(), time.perf_counter()
+        agent, episode = trace_ids(request, body)
         messages = [m.to_openai() for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         offered = tools if body.tool_choice != "none" else None
@@ -244,7 +260,20 @@ def create_app(
         episode_id = None
         if config.record:
             episode_id = record_call(
-                request, body, messages, tools, served, router, response, completions, started, t0
+                ModelCall(
+                    agent=agent,
+                    messages=messages,
+                    model=backend.model_id,
+                    tools=tools,
+                    episode_id=episode,
+                    adapter=served,
+                    router=router,
+                    started_at=started,
+                ),
+                [c["message"] for c in choices],
+                completions,
+                body.return_token_ids,
+                t0,
             )
         headers = {ADAPTER_HEADER: served or "", **({EPISODE_HEADER: episode_id} if episode_id else {})}
         if body.stream:
@@ -252,40 +281,28 @@ def create_app(
         return JSONResponse(response, headers=headers)
 
     def record_call(
-        request: Request,
-        body: ChatCompletionRequest,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-        served: str | None,
-        router: str | None,
-        response: dict[str, Any],
+        call: ModelCall,
+        replies: list[dict[str, Any]],
         completions: list[Completion],
-        started: Any,
+        with_ids: bool,
         t0: float,
     ) -> str:
-        meta = body.metadata or {}
-        choices = [c["message"] for c in response["choices"]]
+        """Record ``call`` with its replies (one per choice), the completions' token counts
+        and, when the client asked for them, their token ids; returns the episode id."""
         token_ids = None
-        if body.return_token_ids:
+        if with_ids:
             token_ids = {
                 "prompt": completions[0].prompt_token_ids,
                 "completions": [c.token_ids for c in completions],
             }
         return episodes.record(
-            ModelCall(
-                agent=request.headers.get(AGENT_HEADER) or meta.get("trace_agent") or config.agent,
-                messages=messages,
-                model=backend.model_id,
-                reply=choices[0],
-                tools=tools,
-                episode_id=request.headers.get(EPISODE_HEADER) or meta.get("trace_episode_id"),
-                adapter=served,
-                router=router,
-                output=choices[0] if len(choices) == 1 else {"choices": choices},
-                prompt_tokens=response["usage"]["prompt_tokens"],
-                completion_tokens=response["usage"]["completion_tokens"],
+            replace(
+                call,
+                reply=replies[0],
+                output=replies[0] if len(replies) == 1 else {"choices": replies},
+                prompt_tokens=len(completions[0].prompt_token_ids),
+                completion_tokens=sum(len(c.token_ids) for c in completions),
                 latency_ms=(time.perf_counter() - t0) * 1000,
-                started_at=started,
                 token_ids=token_ids,
             )
         )
