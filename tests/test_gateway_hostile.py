@@ -10,6 +10,8 @@ import http.client
 import json
 import select
 import socket
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from trace_plugin import Recorder
 from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.backend import Completion, SamplingParams
 from trace_plugin.gateway.server import start_in_thread
+from trace_plugin.gateway.stops import StopMatcher
 from trace_plugin.model_files import prepare_tokenizer, resolve_model
 
 
@@ -213,3 +216,85 @@ def test_trace_headers_are_bounded_like_the_store(client, backend, headers, need
     r = client.post("/v1/chat/completions", json=chat(), headers=headers)
     assert_openai_error(r, 400)
     assert needle in r.json()["error"]["message"] and len(backend.prompts) == before
+
+
+# -- a stop list costs the same however long it is ---------------------------------------
+
+
+def lines_run(work: Callable[[], Any]) -> int:
+    """How many Python lines ``work`` executes: its cost, counted rather than timed."""
+    count = 0
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        count += event == "line"
+        return trace
+
+    sys.settrace(trace)
+    try:
+        work()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+TEXT = "The order W17 shipped on Monday; the refund for W18 is pending. " * 20
+
+
+def decoy_stops(n: int) -> list[str]:
+    """``n`` stop strings that start like words of ``TEXT`` but never complete in it."""
+    words = sorted(set(TEXT.replace(";", " ").replace(".", " ").split()))
+    return [f"{words[i % len(words)]}#{i}" for i in range(n)]
+
+
+def test_stop_matching_work_does_not_grow_with_the_list():
+    one, many = StopMatcher(decoy_stops(1)), StopMatcher(decoy_stops(2000))
+    assert one.cut(TEXT) is None and many.cut(TEXT) is None
+    cost_one, cost_many = lines_run(lambda: one.feed(TEXT)), lines_run(lambda: many.feed(TEXT))
+    assert cost_many < 2 * cost_one, (cost_one, cost_many)  # 2000 times the strings, not the work
+    assert StopMatcher([*decoy_stops(2000), "W18"]).cut(TEXT) == TEXT[: TEXT.index("W18")]
+
+
+def test_stop_matcher_finds_what_a_scan_of_every_string_finds():
+    for stops, text in [
+        (["he", "she", "his", "hers"], "ushers"),
+        (["b", "abc"], "xabc"),
+        (["abcd", "bc"], "abcd"),
+        (["lo", "hello w"], "hello world"),
+        (["\n\n", "Observation:"], "Thought: look it up\nObservation: 3"),
+        (["zz"], "no stop here"),
+    ]:
+        # The first stop string to complete; the longest of those that complete there.
+        ends = [(i + len(s), -len(s)) for s in stops for i in range(len(text)) if text.startswith(s, i)]
+        expected = text[: sum(min(ends))] if ends else None
+        assert StopMatcher(stops).cut(text) == expected, (stops, text)
+        state, end = StopMatcher(stops).feed(text[:3])  # fed in pieces, it finds the same place
+        if end is None:
+            assert (StopMatcher(stops).feed(text[3:], state)[1] is None) == (expected is None)
+
+
+def test_the_embedded_stop_criterion_stops_rows_at_the_token_completing_a_stop(tokenizer):
+    import torch
+
+    from trace_plugin.gateway.embedded import StopStrings
+
+    text = "Thought: I should look up é and 日本. Observation: found it. Done."
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+
+    def run(stops: StopMatcher) -> list[int | None]:
+        criterion = StopStrings(stops, tokenizer, 2)
+        stopped: list[int | None] = [None, None]
+        for i in range(len(ids)):
+            rows = torch.tensor([ids[: i + 1], [ids[0]] * (i + 1)])  # row 1 never stops
+            for row, done in enumerate(criterion(rows, None).tolist()):
+                if done and stopped[row] is None:
+                    stopped[row] = i
+        return stopped
+
+    at, never = run(StopMatcher(["Observation:"]))
+    assert at is not None and never is None and "Observation:" in tokenizer.decode(ids[: at + 1])
+    assert "Observation:" not in tokenizer.decode(ids[:at])
+    assert run(StopMatcher(["日本"]))[0] is not None  # a stop made of multi-byte characters
+    one, many = StopMatcher(decoy_stops(1)), StopMatcher(decoy_stops(2000))
+    cost_one, cost_many = lines_run(lambda: run(one)), lines_run(lambda: run(many))
+    assert cost_many < 1.5 * cost_one, (cost_one, cost_many)
