@@ -298,3 +298,28 @@ def test_the_embedded_stop_criterion_stops_rows_at_the_token_completing_a_stop(t
     one, many = StopMatcher(decoy_stops(1)), StopMatcher(decoy_stops(2000))
     cost_one, cost_many = lines_run(lambda: run(one)), lines_run(lambda: run(many))
     assert cost_many < 1.5 * cost_one, (cost_one, cost_many)
+
+
+# -- completions are recorded ------------------------------------------------------------
+
+
+def test_completions_are_recorded_as_llm_steps(client, backend, recorder):
+    r = client.post(
+        "/v1/completions",
+        json=completion(prompt="Say hi.", metadata={"trace_agent": "completer"}),
+    )
+    assert r.status_code == 200, r.text
+    named = client.post(
+        "/v1/completions",
+        json=completion(prompt=["First.", "Second."]),
+        headers={"X-Trace-Agent": "completer", "X-Trace-Episode": "cmpl-episode"},
+    )
+    assert named.headers["x-trace-episode"] == "cmpl-episode"
+    assert recorder.flush(10)
+    episode = recorder.store.get_episode(r.headers["x-trace-episode"])
+    assert episode.agent == "completer" and episode.source == "gateway"
+    [step] = episode.steps
+    assert step.kind == "llm" and step.input == {"prompt": "Say hi."}
+    assert step.output["content"] == backend.reply and step.completion_tokens == 3
+    steps = recorder.store.get_episode("cmpl-episode").steps
+    assert [s.input["prompt"] for s in steps] == ["First.", "Second."]

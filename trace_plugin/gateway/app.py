@@ -308,17 +308,19 @@ def create_app(
         )
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        agent, episode = trace_ids(request, body)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        if not prompts:
-            raise GatewayError(400, "prompt must not be empty")
         adapter, router = await select(body.model, [{"role": "user", "content": prompts[0]}], None)
         params = replace(_sampling(body, body.max_tokens or 16), top_logprobs=body.logprobs or 0)
         results: list[Completion] = []
         served = None
+        calls: list[tuple[str, Any, float, list[Completion]]] = []  # prompt, start, its timer, outputs
         for prompt in prompts:
+            started, t0 = utcnow(), time.perf_counter()
             outs, served = await generate(prompt, params, adapter)
             results.extend(outs)
+            calls.append((prompt, started, t0, outs))
         choices = []
         for i, c in enumerate(results):
             choice: dict[str, Any] = {
@@ -334,9 +336,30 @@ def create_app(
         response = _envelope(
             "text_completion", served or backend.model_id, choices, results, fingerprint(router, served)
         )
+        recorded: set[str] = set()
+        for prompt, started, t0, outs in calls if config.record else ():
+            # A step per prompt, its input the prompt itself; grouped into episodes as the
+            # user turn the router read it as.
+            call = ModelCall(
+                agent=agent,
+                messages=[{"role": "user", "content": prompt}],
+                model=backend.model_id,
+                input={"prompt": prompt},
+                episode_id=episode,
+                adapter=served,
+                router=router,
+                started_at=started,
+            )
+            replies = [{"role": "assistant", "content": c.text} for c in outs]
+            recorded.add(record_call(call, replies, outs, body.return_token_ids, t0))
+        headers = {ADAPTER_HEADER: served or ""}
+        if len(recorded) == 1:
+            headers[EPISODE_HEADER] = recorded.pop()
         if body.stream:
-            return StreamingResponse(_stream_completion(response), media_type="text/event-stream")
-        return JSONResponse(response, headers={ADAPTER_HEADER: served or ""})
+            return StreamingResponse(
+                _stream_completion(response), media_type="text/event-stream", headers=headers
+            )
+        return JSONResponse(response, headers=headers)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
