@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from trace_plugin import Recorder
 from trace_plugin.gateway.app import GatewayConfig, create_app
@@ -323,3 +325,134 @@ def test_completions_are_recorded_as_llm_steps(client, backend, recorder):
     assert step.output["content"] == backend.reply and step.completion_tokens == 3
     steps = recorder.store.get_episode("cmpl-episode").steps
     assert [s.input["prompt"] for s in steps] == ["First.", "Second."]
+
+
+# -- whatever the body, never a 5xx ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\x00" * 5,  # json.loads takes it for UTF-32, and cannot decode it
+        b"[" * DEEP + b"]" * DEEP,
+        json.dumps({"kind": "static", "adapter": [1]}).encode(),  # unhashable: every routed call would fail
+        json.dumps({"kind": "keyword", "rules": [[["refund"], "a"]], "default": 5}).encode(),
+    ],
+)
+def test_a_router_spec_of_the_wrong_shape_is_a_400_and_changes_nothing(client, content):
+    live = client.get("/v1/router").json()
+    assert_openai_error(client.post("/v1/router", content=content), 400)
+    assert client.get("/v1/router").json() == live
+    assert client.post("/v1/chat/completions", json=chat()).status_code == 200
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+extreme_numbers = st.sampled_from(
+    [0, -1, 2**31, 2**63, 2**63 - 1, -(2**63) - 1, 2**70, 10**400, 1e308, -1e308, 1e-320, 0.5]
+)
+big_strings = st.integers(0, 200_000).map(lambda n: "é" * (n // 2) + "x" * (n - n // 2))
+
+
+DEEP_MARK = "\x00deep\x00"  # stands for a value nested too deep for json.dumps to write
+DEPTHS = (10, 100, 900, 1000, 3000, DEEP)
+odd = json_values | extreme_numbers | big_strings | st.sampled_from([f"{DEEP_MARK}{d}" for d in DEPTHS])
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "developer"]), "content": st.text(max_size=40)}
+)
+tool = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {
+                "name": st.from_regex(r"[a-z_]{1,12}", fullmatch=True),
+                "parameters": st.just({"type": "object"}),
+            }
+        ),
+    }
+)
+model = st.sampled_from(["scripted", "base", "hostile", "nope", "router:x", ""])
+sampling = {
+    "max_tokens": st.integers(1, 16),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "n": st.integers(1, 3),
+    "seed": st.integers(-(2**63), 2**63 - 1),
+    "stop": st.lists(st.text(min_size=1, max_size=10), max_size=4),
+    "stream": st.booleans(),
+    "metadata": st.fixed_dictionaries({}, optional={"trace_agent": st.text(min_size=1, max_size=20)}),
+    "bad_words": st.lists(st.text(min_size=1, max_size=10), max_size=3),
+    "return_token_ids": st.booleans(),
+}
+valid = {
+    "/v1/chat/completions": st.fixed_dictionaries(
+        {"model": model, "messages": st.lists(message, min_size=1, max_size=3)},
+        optional={**sampling, "tools": st.lists(tool, max_size=2), "tool_choice": st.just("none")},
+    ),
+    "/v1/completions": st.fixed_dictionaries(
+        {"model": model, "prompt": st.text(min_size=1, max_size=40)},
+        optional={**sampling, "echo": st.booleans(), "logprobs": st.integers(0, 5)},
+    ),
+    "/v1/embeddings": st.fixed_dictionaries(
+        {"model": st.sampled_from(["scripted", "base", "nope"]), "input": st.text(max_size=40)}
+    ),
+    "/v1/load_lora_adapter": st.fixed_dictionaries(
+        {"lora_name": st.text(max_size=20), "lora_path": st.text(max_size=40)}
+    ),
+    "/v1/unload_lora_adapter": st.fixed_dictionaries({"lora_name": st.text(max_size=20)}),
+    "/v1/router": st.fixed_dictionaries(
+        {"kind": st.sampled_from(["static", "keyword", "classifier", "gate", "x"])},
+        optional={
+            "adapter": json_values,
+            "default": json_values,
+            "rules": st.lists(st.tuples(st.lists(st.text(max_size=5), max_size=2), json_values), max_size=2),
+            "experts": st.lists(json_values, max_size=2),
+            "choices": json_values,
+            "threshold": json_values,
+        },
+    ),
+}
+
+
+@st.composite
+def request_bodies(draw: st.DrawFn) -> tuple[str, bytes]:
+    """An endpoint and a body for it: valid, or with fields dropped, replaced by values of the
+    wrong type, extreme numbers, deep nesting or large strings, or not JSON at all."""
+    path = draw(st.sampled_from(sorted(valid)))
+    body = draw(valid[path])
+    how = draw(st.sampled_from(["valid", "mutated", "mutated", "nested", "raw"]))
+    if how == "mutated":
+        for key in draw(
+            st.lists(st.sampled_from(sorted({*body, *sampling, "model", "messages", "prompt"})), max_size=3)
+        ):
+            if draw(st.booleans()):
+                body.pop(key, None)
+            else:
+                body[key] = draw(odd)
+    elif how == "nested" and isinstance(body.get("messages"), list):
+        body["messages"][0]["content"] = draw(
+            st.sampled_from([[{"type": "text", "text": draw(odd)}], draw(odd)])
+        )
+    data = json.dumps(body)
+    for depth in DEPTHS:
+        data = data.replace(json.dumps(f"{DEEP_MARK}{depth}"), '{"k": [' * depth + "1" + "]}" * depth)
+    data = data.encode()
+    if how == "raw":
+        data = data[: draw(st.integers(0, len(data)))] + draw(st.binary(max_size=8))
+    return path, data
+
+
+@settings(
+    max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+@given(request=request_bodies())
+def test_no_body_gets_a_5xx_and_every_4xx_is_in_openai_shape(client, request):
+    path, data = request
+    r = client.post(path, content=data, headers={"content-type": "application/json"})
+    event(f"{path} {r.status_code}")  # --hypothesis-show-statistics: what the examples reached
+    assert r.status_code < 500, (path, data[:300], r.text[:300])
+    if r.status_code >= 400:
+        assert_openai_error(r)

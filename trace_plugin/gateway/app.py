@@ -434,7 +434,8 @@ def create_app(
         try:
             spec = json.loads(await request.body())
             new = router_from_spec(spec, backend)
-        except (json.JSONDecodeError, RouterSpecError, AttributeError) as exc:
+        # ValueError: not decodable, not JSON or a bad spec; RecursionError: nested too deep
+        except (ValueError, AttributeError, RecursionError) as exc:
             raise GatewayError(400, f"bad router spec: {exc}") from exc
         missing = sorted(n for n in referenced_adapters(new.spec) if n not in registry.listing())
         if missing:
