@@ -10,7 +10,10 @@ Side by side in one run, on the embedded SmolLM2-135M (CPU):
 - agent prompts (the retail policy, tool schemas and a ticket, four at once) with the
   embedded backend's prefix cache holding their shared opening, against no cache;
 - the same prompts through one expert, run with that adapter active (as the backend runs a
-  batch with one adapter) against PEFT's mixed-batch split, and against the base model.
+  batch with one adapter) against PEFT's mixed-batch split, and against the base model;
+- the stall a stop list causes: a ``max_tokens: 1`` request with the longest stop list the
+  gateway accepts, new strings each time (as a hostile client would send), against the same
+  request without one, alternating.
 
 Usage: python bench/gateway.py [--quick]
 """
@@ -36,6 +39,7 @@ from trace_plugin.environments.retail import TEST_SEEDS, RetailEnv
 from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.backend import SamplingParams
 from trace_plugin.gateway.embedded import EmbeddedBackend
+from trace_plugin.gateway.protocol import MAX_STOPS
 from trace_plugin.gateway.routing import KeywordRouter
 from trace_plugin.gateway.server import start_in_thread
 from training.lora import random_adapter
@@ -148,6 +152,26 @@ def swap_under_load(url: str, name: str, path: str, clients: int, per_client: in
     return len(failures), len(done)
 
 
+def stop_list_stall(url: str, model: str, rounds: int) -> tuple[float, float]:
+    """Seconds per ``max_tokens: 1`` request without a stop list and with ``MAX_STOPS`` new
+    stop strings, alternating."""
+    times = {False: 0.0, True: 0.0}
+    with httpx.Client(base_url=url, timeout=300) as client:
+        for i in range(rounds):
+            for stops in (False, True):
+                body = {
+                    "model": model,
+                    "messages": [{"role": "user", "content": "Where is my order?"}],
+                    "max_tokens": 1,
+                    "temperature": 0,
+                    **({"stop": [f"<never {i}.{j}>" for j in range(MAX_STOPS)]} if stops else {}),
+                }
+                start = time.perf_counter()
+                client.post("/v1/chat/completions", json=body).raise_for_status()
+                times[stops] += time.perf_counter() - start
+    return times[False] / rounds, times[True] / rounds
+
+
 def agent_prompts(backend: EmbeddedBackend, n: int) -> list[str]:
     """The support agent's opening prompts (policy, tool schemas, a ticket) for ``n`` test seeds."""
     prompts = []
@@ -217,6 +241,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     rounds, max_tokens, route_requests, per_client = (1, 24, 10, 3) if args.quick else (4, 64, 40, 8)
+    stop_rounds = 10 if args.quick else 40
     console = Console()
 
     backend = EmbeddedBackend()
@@ -245,6 +270,7 @@ def main() -> None:
             load_s = first_response_after_load(server.url, "refunds@1", "refunds/1")
             route_frac = routing_overhead(app, server.url, route_requests)
             failed, served = swap_under_load(server.url, "refunds@2", "refunds/2", 8, per_client)
+            no_stops_s, stops_s = stop_list_stall(server.url, backend.model_id, stop_rounds)
         recorder.close()
 
     table = Table(title="Gateway vs direct generate, same prompts, greedy")
@@ -267,6 +293,9 @@ def main() -> None:
     table.add_row(
         "one-expert batch speedup over the split", f"{batch_s['mixed_split'] / batch_s['expert']:.2f}×", ""
     )
+    table.add_row("max_tokens=1 request, no stop list", f"{no_stops_s:.3f} s", "")
+    table.add_row(f"max_tokens=1 request, {MAX_STOPS} new stop strings", f"{stops_s:.3f} s", "")
+    table.add_row("stop list stall ratio", f"{stops_s / no_stops_s:.2f}×", "≈ 1")
     console.print(table)
     print(
         json.dumps(
@@ -280,6 +309,7 @@ def main() -> None:
                 "prefix_cache_speedup": round(uncached_s / cached_s, 3),
                 "expert_batch_cost_ratio": round(batch_s["expert"] / batch_s["base"], 3),
                 "single_adapter_speedup": round(batch_s["mixed_split"] / batch_s["expert"], 3),
+                "stop_list_stall_ratio": round(stops_s / no_stops_s, 3),
             }
         )
     )

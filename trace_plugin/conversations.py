@@ -79,6 +79,7 @@ class ModelCall:
     model: str
     reply: dict[str, Any] | None = None  # the first choice's assistant message
     tools: list[dict[str, Any]] | None = None
+    input: Any = None  # what to store as the step's input; defaults to the messages and tool names
     episode_id: str | None = None
     adapter: str | None = None
     router: str | None = None  # the version of the router that chose ``adapter``
@@ -112,7 +113,9 @@ class ConversationEpisodes:
                 seq=active.next_seq(),
                 kind="llm",
                 name=call.adapter or call.model,
-                input={"messages": call.messages, "tools": [_tool_name(t) for t in call.tools or ()]},
+                input=call.input
+                if call.input is not None
+                else {"messages": call.messages, "tools": [_tool_name(t) for t in call.tools or ()]},
                 output=call.output if call.output is not None else call.reply,
                 error=call.error,
                 prompt_tokens=call.prompt_tokens,
@@ -141,7 +144,7 @@ class ConversationEpisodes:
             return self._by_id[episode_id]
         tracer = self._tracer_for(call.agent)
         active = tracer.start_episode(
-            {"messages": call.messages},
+            call.input if call.input is not None else {"messages": call.messages},
             episode_id=episode_id,
             model=call.model,
             adapter=call.adapter,

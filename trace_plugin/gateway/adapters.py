@@ -40,8 +40,16 @@ def validate_adapter_dir(path: str | Path, root: Path, *, base_model: set[str], 
 
     It must resolve inside ``root`` (no ``..``, no symlink leading out, for the directory
     or any file in it), hold ``adapter_config.json`` and weights, target our base model,
-    and have a rank the server accepts.
+    and have a rank the server accepts. A path the filesystem refuses (a name too long, no
+    permission) is the request's fault too.
     """
+    try:
+        return _validate_adapter_dir(path, root, base_model=base_model, max_rank=max_rank)
+    except OSError as exc:
+        raise AdapterError(f"adapter path {path} cannot be read: {exc.strerror or exc}") from exc
+
+
+def _validate_adapter_dir(path: str | Path, root: Path, *, base_model: set[str], max_rank: int) -> Path:
     root = root.resolve()
     candidate = Path(path) if Path(path).is_absolute() else root / path
     resolved = candidate.resolve()  # follows symlinks: a link leading out resolves outside

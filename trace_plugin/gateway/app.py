@@ -24,12 +24,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trace_plugin.chat_template import REPLY_FORBIDDEN
 from trace_plugin.conversations import ConversationEpisodes, ModelCall, fingerprint
 from trace_plugin.gateway.adapters import AdapterError, AdapterRegistry
 from trace_plugin.gateway.backend import Backend, BackendError, Completion, SamplingParams
 from trace_plugin.gateway.protocol import (
+    MAX_AGENT,
+    MAX_EPISODE_ID,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
@@ -121,17 +125,21 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return _error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return _error(
-            400, f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "")
-        )
+        message = first.get("msg", "invalid request")
+        return _error(400, f"{where}: {message}" if where else message, param=where or None)
 
-    @app.middleware("http")
-    async def _limit_body(request: Request, call_next: Any) -> Any:
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > config.max_body_bytes:
-            return _error(413, f"request body over {config.max_body_bytes} bytes")
-        return await call_next(request)
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's and FastAPI's own errors (unknown path, a body that cannot be parsed,
+        such as one nested too deep) in OpenAI's shape too."""
+        response = _error(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})
+        return response
+
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
 
     # -- model listing and health ------------------------------------------------------------
 
@@ -204,9 +212,23 @@ def create_app(
             if full:
                 registry.release(full)
 
+    def trace_ids(
+        request: Request, body: ChatCompletionRequest | CompletionRequest
+    ) -> tuple[str, str | None]:
+        """The agent and the episode a call is recorded under, checked before it is served."""
+        meta = body.metadata
+        agent = request.headers.get(AGENT_HEADER) or (meta and meta.trace_agent) or config.agent
+        episode = request.headers.get(EPISODE_HEADER) or (meta and meta.trace_episode_id) or None
+        if len(agent) > MAX_AGENT:
+            raise GatewayError(400, f"{AGENT_HEADER}: an agent name is at most {MAX_AGENT} characters")
+        if episode is not None and len(episode) > MAX_EPISODE_ID:
+            raise GatewayError(400, f"{EPISODE_HEADER}: an episode id is at most {MAX_EPISODE_ID} characters")
+        return agent, episode
+
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         started, t0 = utcnow(), time.perf_counter()
+        agent, episode = trace_ids(request, body)
         messages = [m.to_openai() for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         offered = tools if body.tool_choice != "none" else None
@@ -238,7 +260,20 @@ def create_app(
         episode_id = None
         if config.record:
             episode_id = record_call(
-                request, body, messages, tools, served, router, response, completions, started, t0
+                ModelCall(
+                    agent=agent,
+                    messages=messages,
+                    model=backend.model_id,
+                    tools=tools,
+                    episode_id=episode,
+                    adapter=served,
+                    router=router,
+                    started_at=started,
+                ),
+                [c["message"] for c in choices],
+                completions,
+                body.return_token_ids,
+                t0,
             )
         headers = {ADAPTER_HEADER: served or "", **({EPISODE_HEADER: episode_id} if episode_id else {})}
         if body.stream:
@@ -246,56 +281,46 @@ def create_app(
         return JSONResponse(response, headers=headers)
 
     def record_call(
-        request: Request,
-        body: ChatCompletionRequest,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-        served: str | None,
-        router: str | None,
-        response: dict[str, Any],
+        call: ModelCall,
+        replies: list[dict[str, Any]],
         completions: list[Completion],
-        started: Any,
+        with_ids: bool,
         t0: float,
     ) -> str:
-        meta = body.metadata or {}
-        choices = [c["message"] for c in response["choices"]]
+        """Record ``call`` with its replies (one per choice), the completions' token counts
+        and, when the client asked for them, their token ids; returns the episode id."""
         token_ids = None
-        if body.return_token_ids:
+        if with_ids:
             token_ids = {
                 "prompt": completions[0].prompt_token_ids,
                 "completions": [c.token_ids for c in completions],
             }
         return episodes.record(
-            ModelCall(
-                agent=request.headers.get(AGENT_HEADER) or meta.get("trace_agent") or config.agent,
-                messages=messages,
-                model=backend.model_id,
-                reply=choices[0],
-                tools=tools,
-                episode_id=request.headers.get(EPISODE_HEADER) or meta.get("trace_episode_id"),
-                adapter=served,
-                router=router,
-                output=choices[0] if len(choices) == 1 else {"choices": choices},
-                prompt_tokens=response["usage"]["prompt_tokens"],
-                completion_tokens=response["usage"]["completion_tokens"],
+            replace(
+                call,
+                reply=replies[0],
+                output=replies[0] if len(replies) == 1 else {"choices": replies},
+                prompt_tokens=len(completions[0].prompt_token_ids),
+                completion_tokens=sum(len(c.token_ids) for c in completions),
                 latency_ms=(time.perf_counter() - t0) * 1000,
-                started_at=started,
                 token_ids=token_ids,
             )
         )
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        agent, episode = trace_ids(request, body)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        if not prompts:
-            raise GatewayError(400, "prompt must not be empty")
         adapter, router = await select(body.model, [{"role": "user", "content": prompts[0]}], None)
         params = replace(_sampling(body, body.max_tokens or 16), top_logprobs=body.logprobs or 0)
         results: list[Completion] = []
         served = None
+        calls: list[tuple[str, Any, float, list[Completion]]] = []  # prompt, start, its timer, outputs
         for prompt in prompts:
+            started, t0 = utcnow(), time.perf_counter()
             outs, served = await generate(prompt, params, adapter)
             results.extend(outs)
+            calls.append((prompt, started, t0, outs))
         choices = []
         for i, c in enumerate(results):
             choice: dict[str, Any] = {
@@ -311,9 +336,30 @@ def create_app(
         response = _envelope(
             "text_completion", served or backend.model_id, choices, results, fingerprint(router, served)
         )
+        recorded: set[str] = set()
+        for prompt, started, t0, outs in calls if config.record else ():
+            # A step per prompt, its input the prompt itself; grouped into episodes as the
+            # user turn the router read it as.
+            call = ModelCall(
+                agent=agent,
+                messages=[{"role": "user", "content": prompt}],
+                model=backend.model_id,
+                input={"prompt": prompt},
+                episode_id=episode,
+                adapter=served,
+                router=router,
+                started_at=started,
+            )
+            replies = [{"role": "assistant", "content": c.text} for c in outs]
+            recorded.add(record_call(call, replies, outs, body.return_token_ids, t0))
+        headers = {ADAPTER_HEADER: served or ""}
+        if len(recorded) == 1:
+            headers[EPISODE_HEADER] = recorded.pop()
         if body.stream:
-            return StreamingResponse(_stream_completion(response), media_type="text/event-stream")
-        return JSONResponse(response, headers={ADAPTER_HEADER: served or ""})
+            return StreamingResponse(
+                _stream_completion(response), media_type="text/event-stream", headers=headers
+            )
+        return JSONResponse(response, headers=headers)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
@@ -388,7 +434,8 @@ def create_app(
         try:
             spec = json.loads(await request.body())
             new = router_from_spec(spec, backend)
-        except (json.JSONDecodeError, RouterSpecError, AttributeError) as exc:
+        # ValueError: not decodable, not JSON or a bad spec; RecursionError: nested too deep
+        except (ValueError, AttributeError, RecursionError) as exc:
             raise GatewayError(400, f"bad router spec: {exc}") from exc
         missing = sorted(n for n in referenced_adapters(new.spec) if n not in registry.listing())
         if missing:
@@ -416,11 +463,42 @@ BASE_MODEL = "base"  # the base model itself, whatever the router would choose
 
 
 def _error(
-    status: int, message: str, type_: str = "invalid_request_error", code: str | None = None
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
 ) -> JSONResponse:
     return JSONResponse(
-        {"error": {"message": message, "type": type_, "param": None, "code": code}}, status_code=status
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status
     )
+
+
+class BodyLimit:
+    """Refuses a request body over ``max_bytes`` with a 413: at once when its Content-Length
+    says so, else as soon as the bytes read pass it (a chunked body declares no length)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = f"request body over {self.max_bytes} bytes"
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await _error(413, too_large)(scope, receive, send)
+        read = 0
+
+        async def counted() -> Message:
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.max_bytes:  # FastAPI passes an HTTPException from here on as it is
+                raise HTTPException(413, too_large)
+            return message
+
+        await self.app(scope, counted, send)
 
 
 def _is_loopback(host: str) -> bool:

@@ -22,6 +22,7 @@ from typing import Any
 from trace_plugin.chat_template import forbidden_token_ids, render
 from trace_plugin.gateway.backend import BackendError, Completion, SamplingParams
 from trace_plugin.gateway.prefix_cache import Ids, PrefixCache, continuation_batch
+from trace_plugin.gateway.stops import StopMatcher
 from trace_plugin.model_files import load_model, resolve_model
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -139,6 +140,7 @@ class EmbeddedBackend:
     ) -> list[Completion]:
         """One ``generate`` call over ``prompts``, row i through ``adapters[i]``."""
         import torch
+        from transformers import StoppingCriteriaList
 
         rows = [tuple(ids) for ids in self.tokenizer(prompts, add_special_tokens=False).input_ids]
         kwargs: dict[str, Any] = {
@@ -149,8 +151,11 @@ class EmbeddedBackend:
             "return_dict_in_generate": True,
             "output_logits": params.logprobs or params.top_logprobs > 0,
         }
-        if params.stop:  # stop generating there, not just cut the text afterwards
-            kwargs.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
+        stops = StopMatcher(params.stop) if params.stop else None
+        if stops is not None:  # stop generating there, not just cut the text afterwards
+            kwargs["stopping_criteria"] = StoppingCriteriaList(
+                [StopStrings(stops, self.tokenizer, len(rows))]
+            )
         if params.bad_words:
             kwargs["bad_words_ids"] = forbidden_token_ids(self.tokenizer, params.bad_words)
         if params.temperature > 0:
@@ -171,7 +176,7 @@ class EmbeddedBackend:
                     input_ids=torch.tensor(input_ids), attention_mask=torch.tensor(mask), **kwargs, **route
                 )
         return [
-            self._completion(sequence[width:].tolist(), list(ids), out, row, params)
+            self._completion(sequence[width:].tolist(), list(ids), out, row, params, stops)
             for row, (sequence, ids) in enumerate(zip(out.sequences, rows, strict=True))
         ]
 
@@ -251,16 +256,22 @@ class EmbeddedBackend:
         return contextlib.nullcontext(), {}
 
     def _completion(
-        self, ids: list[int], prompt_ids: list[int], out: Any, row: int, params: SamplingParams
+        self,
+        ids: list[int],
+        prompt_ids: list[int],
+        out: Any,
+        row: int,
+        params: SamplingParams,
+        stops: StopMatcher | None,
     ) -> Completion:
         finish = "length"
         if self._eos_id in ids:
             ids = ids[: ids.index(self._eos_id) + 1]  # keep the stop token: training needs it
             finish = "stop"
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        for stop in params.stop:
-            if stop in text:
-                text, finish = text[: text.index(stop)], "stop"
+        cut = stops.cut(text) if stops is not None else None
+        if cut is not None:
+            text, finish = cut, "stop"
         logprobs = top = None
         if params.logprobs:
             logprobs = [float(out.logits[i][row].log_softmax(-1)[token]) for i, token in enumerate(ids)]
@@ -322,3 +333,40 @@ class EmbeddedBackend:
             del self._adapters[name]
             if self.prefix_cache is not None:
                 self.prefix_cache.drop(name)
+
+
+class StopStrings:
+    """A stopping criterion: a row is done once a stop string completes in its new text.
+
+    Each step decodes only the row's newest tokens (vLLM's incremental detokenization: the
+    text of the tokens since the last complete character, less what was already read) and
+    feeds that to the row's matcher state, so a step costs the same however many stop
+    strings there are and however long the reply has grown.
+    """
+
+    def __init__(self, stops: StopMatcher, tokenizer: Any, rows: int) -> None:
+        self.stops, self.tokenizer = stops, tokenizer
+        self._ids: list[list[int]] = [[] for _ in range(rows)]
+        self._offsets = [(0, 0)] * rows  # per row: where the decoded window starts, where reading ended
+        self._states = [0] * rows
+        self._done = [False] * rows
+
+    def __call__(self, input_ids: Any, scores: Any, **_: Any) -> Any:
+        import torch
+
+        for row, token in enumerate(input_ids[:, -1].tolist()):
+            if not self._done[row]:
+                self._done[row] = self._step(row, token)
+        return torch.tensor(self._done, device=input_ids.device)
+
+    def _step(self, row: int, token: int) -> bool:
+        ids = self._ids[row]
+        ids.append(token)
+        start, read = self._offsets[row]
+        before = self.tokenizer.decode(ids[start:read], skip_special_tokens=True)
+        after = self.tokenizer.decode(ids[start:], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):  # a character still incomplete
+            return False
+        self._offsets[row] = (read, len(ids))
+        self._states[row], end = self.stops.feed(after[len(before) :], self._states[row])
+        return end is not None

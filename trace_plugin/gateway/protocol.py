@@ -15,6 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_TOKENS = 4096
 MAX_N = 8
 MAX_EMBEDDING_INPUTS = 256
+MAX_STOPS = 4  # OpenAI's documented bound ("up to 4 sequences"), and TGI's default max_stop_sequences
+MAX_STOP_CHARS = 200
+# Ours: neither OpenAI nor vLLM documents one. With n <= 8, one call asks for at most 128 completions.
+MAX_PROMPTS = 16
+MAX_PATH = 4096  # Linux's PATH_MAX
+# The store's column widths: an episode id is String(64), an agent name String(200).
+MAX_EPISODE_ID = 64
+MAX_AGENT = 200
+SEED_RANGE = (-(2**63), 2**63 - 1)  # vLLM's bound (torch.long); torch.manual_seed takes no more
 
 Word = Annotated[str, Field(min_length=1, max_length=200)]
 
@@ -78,6 +87,14 @@ class Tool(_Lenient):
     function: FunctionSchema
 
 
+class TraceMetadata(_Lenient):
+    """The ``metadata`` keys the gateway reads (OpenAI's metadata, ours prefixed ``trace_``);
+    other keys are passed over."""
+
+    trace_episode_id: str | None = Field(None, min_length=1, max_length=MAX_EPISODE_ID)
+    trace_agent: str | None = Field(None, min_length=1, max_length=MAX_AGENT)
+
+
 class _Sampling(_Lenient):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -86,10 +103,20 @@ class _Sampling(_Lenient):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     return_token_ids: bool = False  # vLLM >= 0.10.2: prompt and completion token ids
     bad_words: list[Word] | None = Field(None, max_length=32)  # vLLM's: text the output must never contain
-    metadata: dict[str, Any] | None = None
+    metadata: TraceMetadata | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
+        if any(not 0 < len(stop) <= MAX_STOP_CHARS for stop in stops):
+            raise ValueError(f"stop sequences must be 1 to {MAX_STOP_CHARS} characters")
+        return value
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -112,6 +139,16 @@ class CompletionRequest(_Sampling):
     # legacy API: None is off, 0 the chosen tokens only, N also the N likeliest (vLLM allows 20)
     logprobs: int | None = Field(None, ge=0, le=20)
 
+    @field_validator("prompt")
+    @classmethod
+    def _bounded(cls, value: str | list[str]) -> str | list[str]:
+        prompts = [value] if isinstance(value, str) else value
+        if not 0 < len(prompts) <= MAX_PROMPTS:
+            raise ValueError(f"1 to {MAX_PROMPTS} prompts per request")
+        if any(not prompt for prompt in prompts):
+            raise ValueError("prompts must be non-empty strings")
+        return value
+
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
 
@@ -133,7 +170,14 @@ class EmbeddingRequest(_Lenient):
 
 class LoadAdapterRequest(_Lenient):
     lora_name: str = Field(min_length=1, max_length=200)
-    lora_path: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1, max_length=MAX_PATH)
+
+    @field_validator("lora_path")
+    @classmethod
+    def _no_nul(cls, value: str) -> str:
+        if "\0" in value:
+            raise ValueError("a path cannot contain a NUL character")
+        return value
 
 
 class UnloadAdapterRequest(_Lenient):

@@ -250,6 +250,13 @@ class GateRouter:
 
 def router_from_spec(spec: dict[str, Any], backend: Backend) -> Router:
     """Build the router a spec describes; RouterSpecError says what is wrong with it."""
+    router = _build_router(spec, backend)
+    if not all(isinstance(name, str) for name in _adapter_names(router.spec)):
+        raise RouterSpecError("adapter names in a router spec must be strings")
+    return router
+
+
+def _build_router(spec: dict[str, Any], backend: Backend) -> Router:
     kind = spec.get("kind")
     try:
         if kind == "static":
@@ -285,9 +292,13 @@ def router_version(spec: dict[str, Any]) -> str:
 
 def referenced_adapters(spec: dict[str, Any]) -> set[str]:
     """Every adapter a (valid) router spec can send requests to."""
-    names = {spec.get("adapter"), spec.get("default"), *spec.get("choices", ())}
-    names |= {e["adapter"] for e in spec.get("experts", ())} | {a for _, a in spec.get("rules", ())}
-    return {n for n in names if n is not None}
+    return set(_adapter_names(spec))
+
+
+def _adapter_names(spec: dict[str, Any]) -> list[Any]:
+    names = [spec.get("adapter"), spec.get("default"), *spec.get("choices", ())]
+    names += [e["adapter"] for e in spec.get("experts", ())] + [a for _, a in spec.get("rules", ())]
+    return [n for n in names if n is not None]
 
 
 def _last_user(messages: list[dict[str, Any]]) -> str:
