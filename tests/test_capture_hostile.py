@@ -153,7 +153,9 @@ def play_hostile_corpus(rec: Recorder) -> None:
     )
     tracer = Tracer("a" * 200, recorder=rec)  # the longest name the store takes
     active = tracer.start_episode({"text": "\x00"}, episode_id="direct", model="m" * 300)
-    step = Step(active.id, 0, "tool", "n" * 300, input={"k": "\ud800"}, error="bad\x00", tool_call_id="c" * 300)
+    step = Step(
+        active.id, 0, "tool", "n" * 300, input={"k": "\ud800"}, error="bad\x00", tool_call_id="c" * 300
+    )
     tracer.record_step(step)
     tracer.end_episode(active, output="done\x00")
 

@@ -183,7 +183,7 @@ HOSTILE = [
     ("/v1/chat/completions", chat(metadata={"trace_episode_id": ["a"]}), "trace_episode_id"),
     ("/v1/chat/completions", chat(metadata={"trace_agent": ["a"]}), "trace_agent"),
     ("/v1/completions", completion(metadata={"trace_episode_id": {"a": 1}}), "trace_episode_id"),
-    ("/v1/chat/completions", chat(metadata={"trace_episode_id": "e" * 65}), "trace_episode_id"),
+    ("/v1/chat/completions", chat(metadata={"trace_episode_id": "e" * 1001}), "trace_episode_id"),
     ("/v1/chat/completions", chat(seed=2**70), "seed"),
     ("/v1/completions", completion(seed=-(2**64)), "seed"),
     ("/v1/chat/completions", chat(stop=["s"] * 2000), "stop"),
@@ -211,7 +211,7 @@ def test_bad_input_gets_a_4xx_before_generation(client, backend, path, body, nee
 
 @pytest.mark.parametrize(
     ("headers", "needle"),
-    [({"X-Trace-Episode": "e" * 65}, "X-Trace-Episode"), ({"X-Trace-Agent": "a" * 201}, "X-Trace-Agent")],
+    [({"X-Trace-Episode": "e" * 1001}, "X-Trace-Episode"), ({"X-Trace-Agent": "a" * 201}, "X-Trace-Agent")],
 )
 def test_trace_headers_are_bounded_like_the_store(client, backend, headers, needle):
     before = len(backend.prompts)
@@ -325,6 +325,15 @@ def test_completions_are_recorded_as_llm_steps(client, backend, recorder):
     assert step.output["content"] == backend.reply and step.completion_tokens == 3
     steps = recorder.store.get_episode("cmpl-episode").steps
     assert [s.input["prompt"] for s in steps] == ["First.", "Second."]
+
+
+def test_an_episode_id_longer_than_the_store_keeps_is_served_and_found_again(client, recorder):
+    long_id = "ticket-" + "9" * 200
+    r = client.post("/v1/chat/completions", json=chat(), headers={"X-Trace-Episode": long_id})
+    assert r.status_code == 200, r.text
+    assert recorder.flush(10)
+    episode = recorder.store.get_episode(long_id)
+    assert episode is not None and len(episode.steps) == 1 and len(episode.id) == 64
 
 
 # -- whatever the body, never a 5xx ------------------------------------------------------

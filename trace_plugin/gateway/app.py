@@ -32,7 +32,6 @@ from trace_plugin.conversations import ConversationEpisodes, ModelCall, fingerpr
 from trace_plugin.gateway.adapters import AdapterError, AdapterRegistry
 from trace_plugin.gateway.backend import Backend, BackendError, Completion, SamplingParams
 from trace_plugin.gateway.protocol import (
-    MAX_AGENT,
     MAX_EPISODE_ID,
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,7 +50,7 @@ from trace_plugin.gateway.routing import (
 from trace_plugin.recorder import Recorder
 from trace_plugin.tool_calls import parse_completion
 from trace_plugin.tracer import Tracer
-from trace_plugin.trajectory import utcnow
+from trace_plugin.trajectory import check_agent_name, utcnow
 
 EPISODE_HEADER = "X-Trace-Episode"
 AGENT_HEADER = "X-Trace-Agent"
@@ -219,8 +218,10 @@ def create_app(
         meta = body.metadata
         agent = request.headers.get(AGENT_HEADER) or (meta and meta.trace_agent) or config.agent
         episode = request.headers.get(EPISODE_HEADER) or (meta and meta.trace_episode_id) or None
-        if len(agent) > MAX_AGENT:
-            raise GatewayError(400, f"{AGENT_HEADER}: an agent name is at most {MAX_AGENT} characters")
+        try:
+            check_agent_name(agent)
+        except ValueError as exc:
+            raise GatewayError(400, f"{AGENT_HEADER} / metadata.trace_agent: {exc}") from exc
         if episode is not None and len(episode) > MAX_EPISODE_ID:
             raise GatewayError(400, f"{EPISODE_HEADER}: an episode id is at most {MAX_EPISODE_ID} characters")
         return agent, episode

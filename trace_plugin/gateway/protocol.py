@@ -20,8 +20,9 @@ MAX_STOP_CHARS = 200
 # Ours: neither OpenAI nor vLLM documents one. With n <= 8, one call asks for at most 128 completions.
 MAX_PROMPTS = 16
 MAX_PATH = 4096  # Linux's PATH_MAX
-# The store's column widths: an episode id is String(64), an agent name String(200).
-MAX_EPISODE_ID = 64
+# An agent name is the store's String(200). A longer episode id than the store's 64 is
+# stored under its fitted key (store.fit_string), so a client's own long id is not refused.
+MAX_EPISODE_ID = 1_000
 MAX_AGENT = 200
 SEED_RANGE = (-(2**63), 2**63 - 1)  # vLLM's bound (torch.long); torch.manual_seed takes no more
 
