@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import mcp.types as types
-from mcp.server.lowlevel import Server
 
+from mcp_server.transport import McpServer
 from trace_plugin.environments import Environment, ToolCall, observation_error
 from trace_plugin.recorder import Recorder
 from trace_plugin.tracer import ActiveEpisode, Tracer
@@ -47,9 +47,9 @@ class _Session:
 
 def build_server(
     name: str, env_factory: Callable[[], Environment], *, recorder: Recorder | None = None
-) -> Server:
+) -> McpServer[Any]:
     """An MCP server for environment ``name``; instances come from ``env_factory``."""
-    server: Server = Server(f"trace-plugin-env-{name}")
+    server: McpServer[Any] = McpServer(f"trace-plugin-env-{name}")
     tracer = Tracer(f"env:{name}", source="mcp-env", recorder=recorder)
     sessions: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
     prototype = env_factory()

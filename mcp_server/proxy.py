@@ -18,8 +18,8 @@ from typing import Any
 
 import mcp.types as types
 from mcp import ClientSession
-from mcp.server.lowlevel import Server
 
+from mcp_server.transport import McpServer
 from trace_plugin.gateway.server import RunningServer, free_port
 from trace_plugin.recorder import Recorder
 from trace_plugin.tracer import ActiveEpisode, Tracer
@@ -47,8 +47,8 @@ async def connect(upstream: str | list[str]) -> AsyncIterator[ClientSession]:
 
 def build_proxy(
     upstream: ClientSession, *, agent: str = "mcp-proxy", recorder: Recorder | None = None
-) -> Server:
-    server: Server = Server("trace-plugin-proxy")
+) -> McpServer[Any]:
+    server: McpServer[Any] = McpServer("trace-plugin-proxy")
     tracer = Tracer(agent, source="mcp-proxy", recorder=recorder)
     by_key: dict[str, ActiveEpisode] = {}
     by_session: weakref.WeakKeyDictionary[Any, ActiveEpisode] = weakref.WeakKeyDictionary()

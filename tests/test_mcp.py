@@ -8,6 +8,7 @@ import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import mcp.types as types
 import pytest
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
@@ -51,6 +52,15 @@ async def play_reference(session: ClientSession, seed: int) -> float:
     return (await session.call_tool("env_reward", {"answer": answer})).structuredContent["total"]
 
 
+async def error_code(session: ClientSession, method: str, params: dict | None = None) -> int:
+    """The JSON-RPC error code answering a request the SDK's client would not build itself
+    (``send_request`` only dumps the request, so any request model goes)."""
+    request = types.Request[dict | None, str](method=method, params=params)
+    with pytest.raises(McpError) as raised:
+        await session.send_request(request, types.EmptyResult)
+    return raised.value.error.code
+
+
 @pytest.fixture(scope="module")
 def env_server(tmp_path_factory):
     recorder = Recorder(f"sqlite:///{tmp_path_factory.mktemp('env') / 'trace.db'}")
@@ -69,6 +79,7 @@ async def test_stdio_session_plays_and_is_recorded(tmp_path):
         names = {t.name for t in (await session.list_tools()).tools}
         assert {"find_user", "get_order", "env_reset", "env_reward"} <= names
         assert await play_reference(session, 3) == 1.0
+        assert await error_code(session, "totally/bogus") == types.METHOD_NOT_FOUND
     store = Store(db)  # the server process flushed at exit
     [episode] = store.list_episodes("env:retail")
     assert episode.reward == 1.0 and episode.label == "success" and episode.metadata["task_seed"] == 3
@@ -99,6 +110,16 @@ async def test_malformed_and_unknown_calls_are_error_results(env_server):
         assert missing.isError and "reason" in missing.content[0].text
         unknown = await session.call_tool("drop_tables", {})
         assert unknown.isError and "unknown tool" in unknown.content[0].text
+
+
+async def test_unknown_method_is_method_not_found(env_server, proxy_to_env):
+    proxy, _ = proxy_to_env
+    async with http_session(env_server.url + "/mcp") as direct, http_session(proxy.url + "/mcp") as proxied:
+        for session in (direct, proxied):
+            assert await error_code(session, "totally/bogus") == types.METHOD_NOT_FOUND
+            assert await error_code(session, "prompts/list") == types.METHOD_NOT_FOUND  # known, not served
+            assert await error_code(session, "tools/call", {"arguments": {}}) == types.INVALID_PARAMS
+            assert not (await session.call_tool("env_reset", {"seed": 1})).isError  # the session goes on
 
 
 @pytest.fixture
