@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import mcp.types as types
+import psutil
 import pytest
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
@@ -21,6 +23,7 @@ from mcp_server.transport import http_app
 from trace_plugin import Recorder, Store
 from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
 from trace_plugin.gateway.server import start_in_thread
+from trace_plugin.trajectory import Episode
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
@@ -41,10 +44,14 @@ async def stdio_session(*command: str, env: dict | None = None):
         yield session
 
 
-async def play_reference(session: ClientSession, seed: int) -> float:
+async def play_reference(
+    session: ClientSession, seed: int, after_reset: asyncio.Barrier | None = None
+) -> float:
     task = (await session.call_tool("env_reset", {"seed": seed})).structuredContent
     reference = RetailEnv().reset(seed)
     assert task["prompt"] == reference.prompt and "reference" not in task  # the answer key stays hidden
+    if after_reset is not None:
+        await after_reset.wait()
     for call in reference.metadata["reference"]:
         result = await session.call_tool(call["name"], call["arguments"])
         assert not result.isError, result.content
@@ -150,6 +157,18 @@ async def test_proxy_is_transparent_and_records_calls(env_server, proxy_to_env):
     }
 
 
+async def settled(recorder: Recorder, agent: str, status: str, count: int) -> list[Episode]:
+    """The agent's episodes in ``status`` once there are ``count`` of them (or what there is
+    after a bounded wait): a session's episode ends after its client has left."""
+    deadline = time.monotonic() + 60
+    while True:
+        assert recorder.flush(10)
+        episodes = recorder.store.list_episodes(agent, status=status, limit=10 * count + 10)
+        if len(episodes) >= count or time.monotonic() > deadline:
+            return [recorder.store.get_episode(e.id) for e in episodes]
+        await asyncio.sleep(0.1)
+
+
 async def test_proxy_groups_by_meta_trajectory_id(proxy_to_env):
     proxy, recorder = proxy_to_env
     async with http_session(proxy.url + "/mcp") as session:
@@ -157,9 +176,9 @@ async def test_proxy_groups_by_meta_trajectory_id(proxy_to_env):
         await session.call_tool("env_reset", {"seed": 1}, meta={"trace_episode_id": "traj-a"})
         await session.call_tool("get_user", {"user_id": "x"}, meta={"trace_episode_id": "traj-b"})
         await session.call_tool("get_user", {"user_id": "y"}, meta={"trace_episode_id": "traj-a"})
-    assert recorder.flush(10)
-    assert [s.name for s in recorder.store.get_episode("traj-a").steps] == ["env_reset", "get_user"]
-    assert len(recorder.store.get_episode("traj-b").steps) == 1
+    ended = {e.id: e for e in await settled(recorder, "proxied", "completed", 2)}  # with the session
+    assert [s.name for s in ended["traj-a"].steps] == ["env_reset", "get_user"]
+    assert len(ended["traj-b"].steps) == 1
 
 
 async def test_proxy_survives_upstream_errors_huge_results_and_death(tmp_path):
@@ -187,6 +206,21 @@ async def test_proxy_survives_upstream_errors_huge_results_and_death(tmp_path):
     by_name = {s.name: s for s in episode.steps}
     assert by_name["huge"].output["__truncated__"] is True  # stored bounded, served whole
     assert "nope" in by_name["fail"].error and "upstream error" in by_name["die"].error
+    recorder.close()
+
+
+async def test_proxy_session_outlives_its_http_upstream(sqlite_url):
+    recorder = Recorder(sqlite_url)
+    env = start_in_thread(http_app(build_server("retail", RetailEnv)))
+    with start_proxy_in_thread(env.url + "/mcp", agent="proxied", recorder=recorder) as proxy:
+        async with http_session(proxy.url + "/mcp") as session:
+            assert not (await session.call_tool("env_reset", {"seed": 1})).isError
+            env.stop()
+            gone = await session.call_tool("env_reset", {"seed": 1})
+            assert gone.isError and "upstream error" in gone.content[0].text
+            assert (await session.call_tool("env_reset", {"seed": 2})).isError  # and it keeps answering
+        [episode] = await settled(recorder, "proxied", "completed", 1)
+        assert [s.error is None for s in episode.steps] == [True, False, False]
     recorder.close()
 
 
@@ -236,3 +270,50 @@ async def test_langgraph_agent_on_mcp_tools_through_the_proxy_is_recorded_twice_
         seen = a.output if isinstance(a.output, str) else "".join(block["text"] for block in a.output)
         assert seen == b.output
     local.close()
+
+
+async def test_proxy_gives_each_client_its_own_upstream_session_and_episode(env_server, db_url):
+    recorder = Recorder(db_url)
+    seeds = list(TRAIN_SEEDS)[:2]
+    both_reset = asyncio.Barrier(2)  # each plays its own order after the other's env_reset
+
+    async def client(seed: int) -> float:
+        async with http_session(proxy.url + "/mcp") as session:
+            return await play_reference(session, seed, after_reset=both_reset)
+
+    with start_proxy_in_thread(env_server.url + "/mcp", agent="proxied", recorder=recorder) as proxy:
+        assert await asyncio.gather(*(client(s) for s in seeds)) == [1.0, 1.0]
+        episodes = await settled(recorder, "proxied", "completed", 2)  # ended as their sessions closed
+    by_seed = {e.steps[0].input["seed"]: e for e in episodes}
+    assert sorted(by_seed) == sorted(seeds)
+    for seed, episode in by_seed.items():
+        reference = RetailEnv().reset(seed).metadata["reference"]
+        calls = [("env_reset", {"seed": seed}), *((c["name"], c["arguments"]) for c in reference)]
+        assert [(s.name, s.input) for s in episode.steps[:-1]] == calls  # exactly its own steps
+        assert episode.steps[-1].name == "env_reward" and not any(s.error for s in episode.steps)
+    recorder.close()
+
+
+async def test_proxy_opens_one_stdio_upstream_per_session_and_closes_it_with_the_session(sqlite_url):
+    recorder = Recorder(sqlite_url)
+    upstream = [sys.executable, str(HERE / "mcp_upstream.py")]
+    with start_proxy_in_thread(upstream, agent="proxied", recorder=recorder) as proxy:
+        async with http_session(proxy.url + "/mcp") as a, http_session(proxy.url + "/mcp") as b:
+            pids = [int((await s.call_tool("pid", {})).content[0].text) for s in (a, b, a)]
+        assert pids[0] != pids[1] and pids[0] == pids[2]  # one upstream per session, for its lifetime
+        deadline = time.monotonic() + 60
+        while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert not any(psutil.pid_exists(p) for p in pids)  # closed when the session closed
+        assert len(await settled(recorder, "proxied", "completed", 2)) == 2
+    recorder.close()
+
+
+async def test_proxy_over_stdio_ends_its_episode_when_the_session_closes(tmp_path):
+    db = f"sqlite:///{tmp_path / 'proxy.db'}"
+    upstream = ["--upstream", sys.executable, "--upstream", str(HERE / "mcp_upstream.py")]
+    command = [sys.executable, "-m", "trace_plugin", "mcp-proxy", *upstream, "--agent", "proxied", "--db", db]
+    async with stdio_session(*command) as session:
+        assert (await session.call_tool("echo", {"text": "hi"})).content[0].text == "hi"
+    [episode] = Store(db).list_episodes("proxied")  # the proxy process flushed at exit
+    assert episode.status == "completed"

@@ -247,19 +247,13 @@ def mcp_proxy(
 ) -> None:
     """Sit between an MCP client and an MCP server, recording every tool call."""
 
-    from mcp_server.proxy import build_proxy, connect
+    from mcp_server.proxy import build_proxy
     from mcp_server.transport import run, serve_http, serve_stdio
     from trace_plugin.recorder import configure
 
-    recorder = configure(db)
-
-    async def proxy() -> None:
-        target = upstream[0] if len(upstream) == 1 and upstream[0].startswith("http") else upstream
-        async with connect(target) as session:
-            server = build_proxy(session, agent=agent, recorder=recorder)
-            await (serve_stdio(server) if transport == "stdio" else serve_http(server, host, port))
-
-    run(proxy())
+    target = upstream[0] if len(upstream) == 1 and upstream[0].startswith("http") else upstream
+    server = build_proxy(target, agent=agent, recorder=configure(db))
+    run(serve_stdio(server) if transport == "stdio" else serve_http(server, host, port))
 
 
 capabilities_app = typer.Typer(help="Capabilities mined from an agent's episodes.", no_args_is_help=True)
