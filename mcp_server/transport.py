@@ -17,6 +17,11 @@ from mcp.shared.message import SessionMessage
 from starlette.applications import Starlette
 from starlette.routing import Route
 
+IDLE_TIMEOUT = 1800.0
+"""Seconds a streamable-HTTP session may go without a request in flight before it is closed
+and its state reclaimed: a client that leaves without ending its session (no DELETE) would
+otherwise hold it until the server exits."""
+
 KNOWN_METHODS = frozenset(
     typing.get_args(request.model_fields["method"].annotation)[0]
     for request in typing.get_args(types.ClientRequest.model_fields["root"].annotation)
@@ -90,17 +95,23 @@ async def serve_stdio(server: Server) -> None:
         await server.run(read, write, server.create_initialization_options())
 
 
-async def serve_http(server: Server, host: str = "127.0.0.1", port: int = 8100) -> None:
+async def serve_http(
+    server: Server, host: str = "127.0.0.1", port: int = 8100, idle_timeout: float = IDLE_TIMEOUT
+) -> None:
     import uvicorn
 
-    await uvicorn.Server(uvicorn.Config(http_app(server), host=host, port=port, log_level="warning")).serve()
+    app = http_app(server, idle_timeout=idle_timeout)
+    await uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).serve()
 
 
-def http_app(server: Server) -> Starlette:
-    """A Starlette app serving ``server`` over streamable HTTP at ``/mcp``."""
+def http_app(server: Server, *, idle_timeout: float = IDLE_TIMEOUT) -> Starlette:
+    """A Starlette app serving ``server`` over streamable HTTP at ``/mcp``; a session with
+    nothing in flight for ``idle_timeout`` seconds is closed as if its client had ended it."""
     from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
-    manager = StreamableHTTPSessionManager(app=server, stateless=False, json_response=True)
+    manager = StreamableHTTPSessionManager(
+        app=server, stateless=False, json_response=True, session_idle_timeout=idle_timeout
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import subprocess
 import sys
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
+import httpx
 import mcp.types as types
 import psutil
 import pytest
@@ -22,7 +25,7 @@ from mcp_server.proxy import start_proxy_in_thread
 from mcp_server.transport import http_app
 from trace_plugin import Recorder, Store
 from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
-from trace_plugin.gateway.server import start_in_thread
+from trace_plugin.gateway.server import free_port, start_in_thread
 from trace_plugin.trajectory import Episode
 
 HERE = Path(__file__).parent
@@ -317,3 +320,105 @@ async def test_proxy_over_stdio_ends_its_episode_when_the_session_closes(tmp_pat
         assert (await session.call_tool("echo", {"text": "hi"})).content[0].text == "hi"
     [episode] = Store(db).list_episodes("proxied")  # the proxy process flushed at exit
     assert episode.status == "completed"
+
+
+@asynccontextmanager
+async def abandoned_session(url: str):
+    """A session whose client leaves without ending it (no DELETE)."""
+    async with (
+        streamablehttp_client(url, terminate_on_close=False) as (read, write, session_id),
+        ClientSession(read, write) as session,
+    ):
+        await session.initialize()
+        yield session, session_id
+
+
+async def test_abandoned_proxy_session_expires_ending_its_episode_and_its_upstream_session(sqlite_url):
+    recorder, env_recorder = Recorder(sqlite_url), Recorder(sqlite_url.replace("trace.db", "env.db"))
+    env_app = http_app(build_server("retail", RetailEnv, recorder=env_recorder))
+    with (
+        start_in_thread(env_app) as env,
+        start_proxy_in_thread(
+            env.url + "/mcp", agent="proxied", recorder=recorder, idle_timeout=0.5
+        ) as proxy,
+    ):
+        async with abandoned_session(proxy.url + "/mcp") as (session, _):
+            await session.call_tool("env_reset", {"seed": 3})
+        [episode] = await settled(recorder, "proxied", "completed", 1)
+        assert [s.name for s in episode.steps] == ["env_reset"]
+        [upstream] = await settled(env_recorder, "env:retail", "interrupted", 1)  # its upstream session ended
+        assert upstream.metadata["task_seed"] == 3
+    recorder.close()
+    env_recorder.close()
+
+
+@contextmanager
+def env_process(db: str, idle_timeout: float):
+    """``trace-plugin envs serve retail`` over HTTP in its own process: its URL and pid."""
+    port = free_port()
+    command = ["envs", "serve", "retail", "--transport", "http", "--port", str(port), "--db", db]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trace_plugin", *command, "--idle-timeout", str(idle_timeout)]
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while process.poll() is None and time.monotonic() < deadline:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        assert process.poll() is None, "the environment server exited"
+        yield f"http://127.0.0.1:{port}/mcp", process.pid
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+async def test_abandoned_sessions_expire_and_the_servers_memory_stays_flat(tmp_path):
+    rounds, per_round = 2, 150
+
+    async def abandon(url: str, seeds: range) -> list[str]:
+        """Opens a session per seed, starts an episode in it and leaves without ending it."""
+        gate = asyncio.Semaphore(8)
+
+        async def one(seed: int) -> str:
+            async with gate, abandoned_session(url) as (session, session_id):
+                await session.call_tool("env_reset", {"seed": seed})
+                return session_id()
+
+        return await asyncio.gather(*(one(s) for s in seeds))
+
+    async def live(url: str, session_ids: list[str]) -> int:
+        """How many of the sessions the server still knows (an expired one answers 404)."""
+        ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+        async with httpx.AsyncClient() as http:
+            answers = [
+                await http.post(
+                    url,
+                    json=ping,
+                    headers={"mcp-session-id": s, "accept": "application/json, text/event-stream"},
+                )
+                for s in session_ids
+            ]
+        return sum(a.status_code != 404 for a in answers)
+
+    growth = {}
+    for idle_timeout in (1.0, 3600.0):
+        db = f"sqlite:///{tmp_path / f'{idle_timeout}.db'}"
+        recorder = Recorder(db)  # reads what the server process records
+        with env_process(db, idle_timeout) as (url, pid):
+            rss = []
+            for n in range(rounds):
+                session_ids = await abandon(url, range(n * per_round, (n + 1) * per_round))
+                if idle_timeout == 1.0:
+                    ended = await settled(recorder, "env:retail", "interrupted", (n + 1) * per_round)
+                    assert len(ended) == (n + 1) * per_round  # each session's environment was reclaimed
+                    assert await live(url, session_ids) == 0  # and its transport
+                else:
+                    assert await live(url, session_ids) == per_round
+                rss.append(psutil.Process(pid).memory_info().rss)
+            growth[idle_timeout] = rss[-1] - rss[0]
+        recorder.close()
+    # Kept, each session holds about 0.1 MB; expired, the next round reuses what the last one freed.
+    assert growth[3600.0] > per_round * 50_000
+    assert growth[1.0] < growth[3600.0] / 4
