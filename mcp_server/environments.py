@@ -5,20 +5,22 @@ validates arguments against them and answers violations with ``isError`` results
 two control tools: ``env_reset`` (a seed in, the user's ticket out) and ``env_reward``
 (the agent's final message in, the reward breakdown out). Each MCP session gets its own
 environment instance, so many clients practise at once without seeing each other's
-state, and every episode played is recorded in the store with its reward.
+state, and every episode played is recorded in the store with its reward. An episode
+left without ``env_reward`` (its session closed or expired, or a new ``env_reset``) is
+recorded as interrupted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import mcp.types as types
-from mcp.server.lowlevel import Server
 
+from mcp_server.transport import McpServer
 from trace_plugin.environments import Environment, ToolCall, observation_error
 from trace_plugin.recorder import Recorder
 from trace_plugin.tracer import ActiveEpisode, Tracer
@@ -47,11 +49,25 @@ class _Session:
 
 def build_server(
     name: str, env_factory: Callable[[], Environment], *, recorder: Recorder | None = None
-) -> Server:
+) -> McpServer[_Session]:
     """An MCP server for environment ``name``; instances come from ``env_factory``."""
-    server: Server = Server(f"trace-plugin-env-{name}")
     tracer = Tracer(f"env:{name}", source="mcp-env", recorder=recorder)
-    sessions: weakref.WeakKeyDictionary[Any, _Session] = weakref.WeakKeyDictionary()
+
+    def interrupt(state: _Session, why: str) -> None:
+        if state.episode is not None:
+            tracer.end_episode(state.episode, status="interrupted", error=why)
+            state.episode = None
+
+    @contextlib.asynccontextmanager
+    async def session(_: McpServer[_Session]) -> AsyncIterator[_Session]:
+        """One MCP session's environment, held exactly as long as the session lives."""
+        state = _Session(env_factory())
+        try:
+            yield state
+        finally:
+            interrupt(state, f"the session ended before {REWARD}")
+
+    server = McpServer(f"trace-plugin-env-{name}", lifespan=session)
     prototype = env_factory()
     env_tools = [
         types.Tool(
@@ -62,20 +78,15 @@ def build_server(
         for t in prototype.tools
     ]
 
-    def session() -> _Session:
-        key = server.request_context.session
-        if key not in sessions:
-            sessions[key] = _Session(env_factory())
-        return sessions[key]
-
     @server.list_tools()
     async def list_tools() -> list[types.Tool]:
         return [*env_tools, *CONTROL_TOOLS]
 
     @server.call_tool()
     async def call_tool(tool: str, arguments: dict[str, Any]) -> Any:
-        state = session()
+        state = server.request_context.lifespan_context
         if tool == RESET:
+            interrupt(state, f"{RESET} was called again before {REWARD}")
             task = state.env.reset(int(arguments["seed"]))
             state.episode = tracer.start_episode(
                 {"messages": [{"role": "user", "content": task.prompt}]},

@@ -1,30 +1,38 @@
 """The MCP recording proxy: between any MCP client and any MCP server, recording every call.
 
 It is transparent: tools are listed as the upstream lists them and calls are forwarded
-with their results and errors unchanged (the proxy does not re-validate arguments). It
-records the upstream's tool schemas and every call (arguments, result, error, latency)
-as tool steps, grouped into episodes by a trajectory id in the request's ``_meta``
-(``trace_episode_id``), else by the ``X-Trace-Episode`` header over HTTP, else by MCP
-session. When the upstream fails, the client gets an error result and the proxy keeps
-serving.
+with their results and errors unchanged (the proxy does not re-validate arguments). Each
+client's MCP session gets a session of its own to the upstream (a process of its own for
+a stdio command), opened on first use and closed with it, so clients never see each
+other's state. It records the upstream's tool schemas and every call (arguments, result,
+error, latency) as tool steps, grouped into episodes by a trajectory id in the request's
+``_meta`` (``trace_episode_id``), else by the ``X-Trace-Episode`` header over HTTP, else
+by MCP session. An episode ends when the last session that used it closes or expires.
+When the upstream fails, the client gets an error result and the proxy keeps serving.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
-from collections.abc import AsyncIterator
-from typing import Any
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
+import anyio
 import mcp.types as types
+from anyio.abc import TaskGroup, TaskStatus
 from mcp import ClientSession
-from mcp.server.lowlevel import Server
 
-from trace_plugin.gateway.server import RunningServer, free_port
+from mcp_server.transport import IDLE_TIMEOUT, McpServer, http_app
+from trace_plugin.gateway.server import RunningServer, start_in_thread
 from trace_plugin.recorder import Recorder
 from trace_plugin.tracer import ActiveEpisode, Tracer
 
 EPISODE_META_KEYS = ("trace_episode_id", "trajectory_id")
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @contextlib.asynccontextmanager
@@ -45,18 +53,104 @@ async def connect(upstream: str | list[str]) -> AsyncIterator[ClientSession]:
         yield session
 
 
+class _Upstream:
+    """A client session's own session to the upstream, opened on first use and held by a
+    task of its own until ``close``: its transport's cancel scopes must be left by the task
+    that entered them, and every request is handled in a task of its own."""
+
+    def __init__(self, target: str | list[str], tasks: TaskGroup) -> None:
+        self._target = target
+        self._tasks = tasks
+        self._session: ClientSession | None = None
+        self._opening = anyio.Lock()
+        self._closed = anyio.Event()
+        self._failed = False
+        self._calls: set[anyio.CancelScope] = set()
+
+    async def call(self, operation: Callable[[ClientSession], Awaitable[T]]) -> T:
+        """``operation`` on the upstream session, or ``ConnectionError`` once that has failed."""
+        async with self._opening:
+            if self._session is None:
+                self._session = await self._tasks.start(self._hold)
+            session = self._session
+        with anyio.CancelScope() as call:
+            if not self._failed:
+                self._calls.add(call)
+                try:
+                    return await operation(session)
+                finally:
+                    self._calls.discard(call)
+        raise ConnectionError("the upstream session failed")
+
+    async def _hold(self, *, task_status: TaskStatus[ClientSession]) -> None:
+        opened = False
+        try:
+            async with connect(self._target) as session:
+                task_status.started(session)
+                opened = True
+                await self._closed.wait()
+        except Exception:
+            if not opened:
+                raise  # to the call that opens it, which answers an error result
+            # The SDK's HTTP client raises out of its task group when the upstream goes away,
+            # cancelling the session under calls still waiting for their answers.
+            logger.warning("the upstream session of a client session failed", exc_info=True)
+            self._failed = True
+            for call in self._calls:
+                call.cancel()
+
+    def close(self) -> None:
+        self._closed.set()
+
+
+@dataclass
+class _Session:
+    """What the proxy holds for one client session."""
+
+    upstream: _Upstream
+    episode: ActiveEpisode | None = None
+    keys: set[str] = field(default_factory=set)  # the trajectory ids it recorded steps under
+
+
+@dataclass
+class _Keyed:
+    """An episode named by a trajectory id, shared by the sessions that used the id."""
+
+    episode: ActiveEpisode
+    sessions: int = 0
+
+
 def build_proxy(
-    upstream: ClientSession, *, agent: str = "mcp-proxy", recorder: Recorder | None = None
-) -> Server:
-    server: Server = Server("trace-plugin-proxy")
+    upstream: str | list[str], *, agent: str = "mcp-proxy", recorder: Recorder | None = None
+) -> McpServer[_Session]:
+    """A proxy to ``upstream``: a streamable-HTTP URL, or a command run over stdio."""
     tracer = Tracer(agent, source="mcp-proxy", recorder=recorder)
-    by_key: dict[str, ActiveEpisode] = {}
-    by_session: weakref.WeakKeyDictionary[Any, ActiveEpisode] = weakref.WeakKeyDictionary()
+    keyed: dict[str, _Keyed] = {}
     schemas: list[dict[str, Any]] = []
+
+    @contextlib.asynccontextmanager
+    async def session(_: McpServer[_Session]) -> AsyncIterator[_Session]:
+        """One client session: its upstream session and episodes end with it."""
+        async with anyio.create_task_group() as tasks:
+            state = _Session(_Upstream(upstream, tasks))
+            try:
+                yield state
+            finally:
+                if state.episode is not None:
+                    tracer.end_episode(state.episode)
+                for key in state.keys:
+                    shared = keyed[key]
+                    shared.sessions -= 1
+                    if shared.sessions == 0:
+                        tracer.end_episode(keyed.pop(key).episode)
+                state.upstream.close()
+
+    server = McpServer("trace-plugin-proxy", lifespan=session)
 
     @server.list_tools()
     async def list_tools() -> list[types.Tool]:
-        tools = (await upstream.list_tools()).tools
+        state = server.request_context.lifespan_context
+        tools = (await state.upstream.call(lambda session: session.list_tools())).tools
         schemas[:] = [
             {
                 "type": "function",
@@ -66,30 +160,35 @@ def build_proxy(
         ]
         return tools
 
-    def episode() -> tuple[ActiveEpisode, bool]:
+    def episode(state: _Session) -> tuple[ActiveEpisode, bool]:
+        """The episode a call belongs to, and whether this call starts it."""
         context = server.request_context
         meta = context.meta.model_dump() if context.meta is not None else {}
         key = next((str(meta[k]) for k in EPISODE_META_KEYS if meta.get(k)), None)
         request = context.request
         if key is None and request is not None:
             key = request.headers.get("x-trace-episode")
-        if key is not None:
-            if key not in by_key:
-                by_key[key] = tracer.start_episode(None, episode_id=key)
-                return by_key[key], True
-            return by_key[key], False
-        if context.session not in by_session:
-            by_session[context.session] = tracer.start_episode(None)
-            return by_session[context.session], True
-        return by_session[context.session], False
+        if key is None:
+            if state.episode is None:
+                state.episode = tracer.start_episode(None)
+                return state.episode, True
+            return state.episode, False
+        first = key not in keyed
+        if first:
+            keyed[key] = _Keyed(tracer.start_episode(None, episode_id=key))
+        if key not in state.keys:
+            state.keys.add(key)
+            keyed[key].sessions += 1
+        return keyed[key].episode, first
 
     @server.call_tool(validate_input=False)
     async def call_tool(name: str, arguments: dict[str, Any]) -> types.CallToolResult:
-        active, first = episode()
+        state = server.request_context.lifespan_context
+        active, first = episode(state)
         tools = list(schemas) if first and schemas else None
         with tracer.step(active, "tool", name, arguments, tools=tools) as step:
             try:
-                result = await upstream.call_tool(name, arguments)
+                result = await state.upstream.call(lambda session: session.call_tool(name, arguments))
             except Exception as exc:  # the upstream died or refused: an error result, recorded
                 result = types.CallToolResult(
                     content=[
@@ -110,37 +209,9 @@ def start_proxy_in_thread(
     *,
     agent: str = "mcp-proxy",
     recorder: Recorder | None = None,
-    timeout: float = 60,
+    idle_timeout: float = IDLE_TIMEOUT,
 ) -> RunningServer:
-    """The proxy over streamable HTTP on a daemon thread: the upstream session and the HTTP
-    server share that thread's event loop, as MCP sessions must."""
-    import asyncio
-    import threading
-
-    import uvicorn
-
-    from mcp_server.transport import http_app, run
-
-    port = free_port()
-    holder: dict[str, Any] = {}
-    ready = threading.Event()
-
-    async def main() -> None:
-        try:
-            async with connect(upstream) as session:
-                app = http_app(build_proxy(session, agent=agent, recorder=recorder))
-                server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-                holder["server"] = server
-                serving = asyncio.create_task(server.serve())
-                while not server.started and not serving.done():
-                    await asyncio.sleep(0.01)
-                ready.set()
-                await serving
-        finally:
-            ready.set()
-
-    thread = threading.Thread(target=lambda: run(main()), name=f"mcp-proxy-{port}", daemon=True)
-    thread.start()
-    if not ready.wait(timeout) or "server" not in holder or not holder["server"].started:
-        raise RuntimeError(f"the MCP proxy did not start (upstream {upstream!r})")
-    return RunningServer(holder["server"], thread, "127.0.0.1", port)
+    """The proxy over streamable HTTP on a daemon thread."""
+    return start_in_thread(
+        http_app(build_proxy(upstream, agent=agent, recorder=recorder), idle_timeout=idle_timeout)
+    )

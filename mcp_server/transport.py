@@ -5,12 +5,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import typing
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
+import anyio
+import mcp.types as types
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from mcp.server.lowlevel import Server
+from mcp.shared.message import SessionMessage
 from starlette.applications import Starlette
 from starlette.routing import Route
+
+IDLE_TIMEOUT = 1800.0
+"""Seconds a streamable-HTTP session may go without a request in flight before it is closed
+and its state reclaimed: a client that leaves without ending its session (no DELETE) would
+otherwise hold it until the server exits."""
+
+KNOWN_METHODS = frozenset(
+    typing.get_args(request.model_fields["method"].annotation)[0]
+    for request in typing.get_args(types.ClientRequest.model_fields["root"].annotation)
+)
 
 
 class _ClientHungUp(logging.Filter):
@@ -25,6 +40,41 @@ logging.getLogger("mcp.server.streamable_http").addFilter(_ClientHungUp())
 
 
 T = TypeVar("T")
+LifespanT = TypeVar("LifespanT")
+
+
+class McpServer(Server[LifespanT, Any]):
+    """A low-level server that answers a method MCP does not define with -32601 (Method not
+    found). The SDK's session checks each request against the methods it knows before any
+    handler runs, and answers every failure there, an unknown method too, with -32602
+    (Invalid params)."""
+
+    async def run(
+        self,
+        read_stream: MemoryObjectReceiveStream[SessionMessage | Exception],
+        write_stream: MemoryObjectSendStream[SessionMessage],
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        send, receive = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+
+        async def forward_known() -> None:
+            # Either end may close first: the client's (the transport ends) or the session's.
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                async with read_stream, send:
+                    async for message in read_stream:
+                        request = message.message.root if isinstance(message, SessionMessage) else None
+                        if isinstance(request, types.JSONRPCRequest) and request.method not in KNOWN_METHODS:
+                            error = types.ErrorData(code=types.METHOD_NOT_FOUND, message="Method not found")
+                            answer = types.JSONRPCError(jsonrpc="2.0", id=request.id, error=error)
+                            await write_stream.send(SessionMessage(types.JSONRPCMessage(answer)))
+                        else:
+                            await send.send(message)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(forward_known)
+            await super().run(receive, write_stream, *args, **kwargs)
+            tasks.cancel_scope.cancel()
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
@@ -45,17 +95,23 @@ async def serve_stdio(server: Server) -> None:
         await server.run(read, write, server.create_initialization_options())
 
 
-async def serve_http(server: Server, host: str = "127.0.0.1", port: int = 8100) -> None:
+async def serve_http(
+    server: Server, host: str = "127.0.0.1", port: int = 8100, idle_timeout: float = IDLE_TIMEOUT
+) -> None:
     import uvicorn
 
-    await uvicorn.Server(uvicorn.Config(http_app(server), host=host, port=port, log_level="warning")).serve()
+    app = http_app(server, idle_timeout=idle_timeout)
+    await uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).serve()
 
 
-def http_app(server: Server) -> Starlette:
-    """A Starlette app serving ``server`` over streamable HTTP at ``/mcp``."""
+def http_app(server: Server, *, idle_timeout: float = IDLE_TIMEOUT) -> Starlette:
+    """A Starlette app serving ``server`` over streamable HTTP at ``/mcp``; a session with
+    nothing in flight for ``idle_timeout`` seconds is closed as if its client had ended it."""
     from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
-    manager = StreamableHTTPSessionManager(app=server, stateless=False, json_response=True)
+    manager = StreamableHTTPSessionManager(
+        app=server, stateless=False, json_response=True, session_idle_timeout=idle_timeout
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:

@@ -1,4 +1,4 @@
-"""A small upstream MCP server for the proxy tests (stdio): echo, a huge result, a crash."""
+"""A small upstream MCP server for the proxy tests (stdio): echo, a huge result, a crash, its pid."""
 
 import os
 
@@ -23,6 +23,12 @@ def huge(size: int) -> str:
 def fail(reason: str) -> str:
     """Raise an error."""
     raise ValueError(reason)
+
+
+@server.tool()
+def pid() -> int:
+    """This server's process id: which upstream a session reached."""
+    return os.getpid()
 
 
 @server.tool()

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import subprocess
 import sys
-from contextlib import asynccontextmanager
+import time
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
+import httpx
+import mcp.types as types
+import psutil
 import pytest
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
@@ -19,7 +25,8 @@ from mcp_server.proxy import start_proxy_in_thread
 from mcp_server.transport import http_app
 from trace_plugin import Recorder, Store
 from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
-from trace_plugin.gateway.server import start_in_thread
+from trace_plugin.gateway.server import free_port, start_in_thread
+from trace_plugin.trajectory import Episode
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
@@ -40,15 +47,28 @@ async def stdio_session(*command: str, env: dict | None = None):
         yield session
 
 
-async def play_reference(session: ClientSession, seed: int) -> float:
+async def play_reference(
+    session: ClientSession, seed: int, after_reset: asyncio.Barrier | None = None
+) -> float:
     task = (await session.call_tool("env_reset", {"seed": seed})).structuredContent
     reference = RetailEnv().reset(seed)
     assert task["prompt"] == reference.prompt and "reference" not in task  # the answer key stays hidden
+    if after_reset is not None:
+        await after_reset.wait()
     for call in reference.metadata["reference"]:
         result = await session.call_tool(call["name"], call["arguments"])
         assert not result.isError, result.content
     answer = "Done. " + " ".join(reference.metadata["facts"])
     return (await session.call_tool("env_reward", {"answer": answer})).structuredContent["total"]
+
+
+async def error_code(session: ClientSession, method: str, params: dict | None = None) -> int:
+    """The JSON-RPC error code answering a request the SDK's client would not build itself
+    (``send_request`` only dumps the request, so any request model goes)."""
+    request = types.Request[dict | None, str](method=method, params=params)
+    with pytest.raises(McpError) as raised:
+        await session.send_request(request, types.EmptyResult)
+    return raised.value.error.code
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +89,7 @@ async def test_stdio_session_plays_and_is_recorded(tmp_path):
         names = {t.name for t in (await session.list_tools()).tools}
         assert {"find_user", "get_order", "env_reset", "env_reward"} <= names
         assert await play_reference(session, 3) == 1.0
+        assert await error_code(session, "totally/bogus") == types.METHOD_NOT_FOUND
     store = Store(db)  # the server process flushed at exit
     [episode] = store.list_episodes("env:retail")
     assert episode.reward == 1.0 and episode.label == "success" and episode.metadata["task_seed"] == 3
@@ -101,6 +122,16 @@ async def test_malformed_and_unknown_calls_are_error_results(env_server):
         assert unknown.isError and "unknown tool" in unknown.content[0].text
 
 
+async def test_unknown_method_is_method_not_found(env_server, proxy_to_env):
+    proxy, _ = proxy_to_env
+    async with http_session(env_server.url + "/mcp") as direct, http_session(proxy.url + "/mcp") as proxied:
+        for session in (direct, proxied):
+            assert await error_code(session, "totally/bogus") == types.METHOD_NOT_FOUND
+            assert await error_code(session, "prompts/list") == types.METHOD_NOT_FOUND  # known, not served
+            assert await error_code(session, "tools/call", {"arguments": {}}) == types.INVALID_PARAMS
+            assert not (await session.call_tool("env_reset", {"seed": 1})).isError  # the session goes on
+
+
 @pytest.fixture
 def proxy_to_env(env_server, sqlite_url):
     recorder = Recorder(sqlite_url)
@@ -129,6 +160,18 @@ async def test_proxy_is_transparent_and_records_calls(env_server, proxy_to_env):
     }
 
 
+async def settled(recorder: Recorder, agent: str, status: str, count: int) -> list[Episode]:
+    """The agent's episodes in ``status`` once there are ``count`` of them (or what there is
+    after a bounded wait): a session's episode ends after its client has left."""
+    deadline = time.monotonic() + 60
+    while True:
+        assert recorder.flush(10)
+        episodes = recorder.store.list_episodes(agent, status=status, limit=10 * count + 10)
+        if len(episodes) >= count or time.monotonic() > deadline:
+            return [recorder.store.get_episode(e.id) for e in episodes]
+        await asyncio.sleep(0.1)
+
+
 async def test_proxy_groups_by_meta_trajectory_id(proxy_to_env):
     proxy, recorder = proxy_to_env
     async with http_session(proxy.url + "/mcp") as session:
@@ -136,9 +179,9 @@ async def test_proxy_groups_by_meta_trajectory_id(proxy_to_env):
         await session.call_tool("env_reset", {"seed": 1}, meta={"trace_episode_id": "traj-a"})
         await session.call_tool("get_user", {"user_id": "x"}, meta={"trace_episode_id": "traj-b"})
         await session.call_tool("get_user", {"user_id": "y"}, meta={"trace_episode_id": "traj-a"})
-    assert recorder.flush(10)
-    assert [s.name for s in recorder.store.get_episode("traj-a").steps] == ["env_reset", "get_user"]
-    assert len(recorder.store.get_episode("traj-b").steps) == 1
+    ended = {e.id: e for e in await settled(recorder, "proxied", "completed", 2)}  # with the session
+    assert [s.name for s in ended["traj-a"].steps] == ["env_reset", "get_user"]
+    assert len(ended["traj-b"].steps) == 1
 
 
 async def test_proxy_survives_upstream_errors_huge_results_and_death(tmp_path):
@@ -166,6 +209,21 @@ async def test_proxy_survives_upstream_errors_huge_results_and_death(tmp_path):
     by_name = {s.name: s for s in episode.steps}
     assert by_name["huge"].output["__truncated__"] is True  # stored bounded, served whole
     assert "nope" in by_name["fail"].error and "upstream error" in by_name["die"].error
+    recorder.close()
+
+
+async def test_proxy_session_outlives_its_http_upstream(sqlite_url):
+    recorder = Recorder(sqlite_url)
+    env = start_in_thread(http_app(build_server("retail", RetailEnv)))
+    with start_proxy_in_thread(env.url + "/mcp", agent="proxied", recorder=recorder) as proxy:
+        async with http_session(proxy.url + "/mcp") as session:
+            assert not (await session.call_tool("env_reset", {"seed": 1})).isError
+            env.stop()
+            gone = await session.call_tool("env_reset", {"seed": 1})
+            assert gone.isError and "upstream error" in gone.content[0].text
+            assert (await session.call_tool("env_reset", {"seed": 2})).isError  # and it keeps answering
+        [episode] = await settled(recorder, "proxied", "completed", 1)
+        assert [s.error is None for s in episode.steps] == [True, False, False]
     recorder.close()
 
 
@@ -215,3 +273,152 @@ async def test_langgraph_agent_on_mcp_tools_through_the_proxy_is_recorded_twice_
         seen = a.output if isinstance(a.output, str) else "".join(block["text"] for block in a.output)
         assert seen == b.output
     local.close()
+
+
+async def test_proxy_gives_each_client_its_own_upstream_session_and_episode(env_server, db_url):
+    recorder = Recorder(db_url)
+    seeds = list(TRAIN_SEEDS)[:2]
+    both_reset = asyncio.Barrier(2)  # each plays its own order after the other's env_reset
+
+    async def client(seed: int) -> float:
+        async with http_session(proxy.url + "/mcp") as session:
+            return await play_reference(session, seed, after_reset=both_reset)
+
+    with start_proxy_in_thread(env_server.url + "/mcp", agent="proxied", recorder=recorder) as proxy:
+        assert await asyncio.gather(*(client(s) for s in seeds)) == [1.0, 1.0]
+        episodes = await settled(recorder, "proxied", "completed", 2)  # ended as their sessions closed
+    by_seed = {e.steps[0].input["seed"]: e for e in episodes}
+    assert sorted(by_seed) == sorted(seeds)
+    for seed, episode in by_seed.items():
+        reference = RetailEnv().reset(seed).metadata["reference"]
+        calls = [("env_reset", {"seed": seed}), *((c["name"], c["arguments"]) for c in reference)]
+        assert [(s.name, s.input) for s in episode.steps[:-1]] == calls  # exactly its own steps
+        assert episode.steps[-1].name == "env_reward" and not any(s.error for s in episode.steps)
+    recorder.close()
+
+
+async def test_proxy_opens_one_stdio_upstream_per_session_and_closes_it_with_the_session(sqlite_url):
+    recorder = Recorder(sqlite_url)
+    upstream = [sys.executable, str(HERE / "mcp_upstream.py")]
+    with start_proxy_in_thread(upstream, agent="proxied", recorder=recorder) as proxy:
+        async with http_session(proxy.url + "/mcp") as a, http_session(proxy.url + "/mcp") as b:
+            pids = [int((await s.call_tool("pid", {})).content[0].text) for s in (a, b, a)]
+        assert pids[0] != pids[1] and pids[0] == pids[2]  # one upstream per session, for its lifetime
+        deadline = time.monotonic() + 60
+        while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert not any(psutil.pid_exists(p) for p in pids)  # closed when the session closed
+        assert len(await settled(recorder, "proxied", "completed", 2)) == 2
+    recorder.close()
+
+
+async def test_proxy_over_stdio_ends_its_episode_when_the_session_closes(tmp_path):
+    db = f"sqlite:///{tmp_path / 'proxy.db'}"
+    upstream = ["--upstream", sys.executable, "--upstream", str(HERE / "mcp_upstream.py")]
+    command = [sys.executable, "-m", "trace_plugin", "mcp-proxy", *upstream, "--agent", "proxied", "--db", db]
+    async with stdio_session(*command) as session:
+        assert (await session.call_tool("echo", {"text": "hi"})).content[0].text == "hi"
+    [episode] = Store(db).list_episodes("proxied")  # the proxy process flushed at exit
+    assert episode.status == "completed"
+
+
+@asynccontextmanager
+async def abandoned_session(url: str):
+    """A session whose client leaves without ending it (no DELETE)."""
+    async with (
+        streamablehttp_client(url, terminate_on_close=False) as (read, write, session_id),
+        ClientSession(read, write) as session,
+    ):
+        await session.initialize()
+        yield session, session_id
+
+
+async def test_abandoned_proxy_session_expires_ending_its_episode_and_its_upstream_session(sqlite_url):
+    recorder, env_recorder = Recorder(sqlite_url), Recorder(sqlite_url.replace("trace.db", "env.db"))
+    env_app = http_app(build_server("retail", RetailEnv, recorder=env_recorder))
+    with (
+        start_in_thread(env_app) as env,
+        start_proxy_in_thread(
+            env.url + "/mcp", agent="proxied", recorder=recorder, idle_timeout=0.5
+        ) as proxy,
+    ):
+        async with abandoned_session(proxy.url + "/mcp") as (session, _):
+            await session.call_tool("env_reset", {"seed": 3})
+        [episode] = await settled(recorder, "proxied", "completed", 1)
+        assert [s.name for s in episode.steps] == ["env_reset"]
+        [upstream] = await settled(env_recorder, "env:retail", "interrupted", 1)  # its upstream session ended
+        assert upstream.metadata["task_seed"] == 3
+    recorder.close()
+    env_recorder.close()
+
+
+@contextmanager
+def env_process(db: str, idle_timeout: float):
+    """``trace-plugin envs serve retail`` over HTTP in its own process: its URL and pid."""
+    port = free_port()
+    command = ["envs", "serve", "retail", "--transport", "http", "--port", str(port), "--db", db]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trace_plugin", *command, "--idle-timeout", str(idle_timeout)]
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while process.poll() is None and time.monotonic() < deadline:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        assert process.poll() is None, "the environment server exited"
+        yield f"http://127.0.0.1:{port}/mcp", process.pid
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+async def test_abandoned_sessions_expire_and_the_servers_memory_stays_flat(tmp_path):
+    rounds, per_round = 2, 150
+
+    async def abandon(url: str, seeds: range) -> list[str]:
+        """Opens a session per seed, starts an episode in it and leaves without ending it."""
+        gate = asyncio.Semaphore(8)
+
+        async def one(seed: int) -> str:
+            async with gate, abandoned_session(url) as (session, session_id):
+                await session.call_tool("env_reset", {"seed": seed})
+                return session_id()
+
+        return await asyncio.gather(*(one(s) for s in seeds))
+
+    async def live(url: str, session_ids: list[str]) -> int:
+        """How many of the sessions the server still knows (an expired one answers 404)."""
+        ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+        async with httpx.AsyncClient() as http:
+            answers = [
+                await http.post(
+                    url,
+                    json=ping,
+                    headers={"mcp-session-id": s, "accept": "application/json, text/event-stream"},
+                )
+                for s in session_ids
+            ]
+        return sum(a.status_code != 404 for a in answers)
+
+    growth = {}
+    for idle_timeout in (1.0, 3600.0):
+        db = f"sqlite:///{tmp_path / f'{idle_timeout}.db'}"
+        recorder = Recorder(db)  # reads what the server process records
+        with env_process(db, idle_timeout) as (url, pid):
+            rss = []
+            for n in range(rounds):
+                session_ids = await abandon(url, range(n * per_round, (n + 1) * per_round))
+                if idle_timeout == 1.0:
+                    ended = await settled(recorder, "env:retail", "interrupted", (n + 1) * per_round)
+                    assert len(ended) == (n + 1) * per_round  # each session's environment was reclaimed
+                    assert await live(url, session_ids) == 0  # and its transport
+                else:
+                    assert await live(url, session_ids) == per_round
+                rss.append(psutil.Process(pid).memory_info().rss)
+            growth[idle_timeout] = rss[-1] - rss[0]
+        recorder.close()
+    # Kept, each session holds about 0.1 MB; expired, the next round reuses what the last one freed.
+    assert growth[3600.0] > per_round * 50_000
+    assert growth[1.0] < growth[3600.0] / 4

@@ -29,6 +29,13 @@ DbOption = Annotated[
         "--db", envvar=DB_URL_ENV, help="SQLAlchemy URL; default: a SQLite file in ~/.trace-plugin."
     ),
 ]
+# Its default is mcp_server.transport.IDLE_TIMEOUT, not imported here: mcp is an optional extra.
+IdleTimeoutOption = Annotated[
+    float,
+    typer.Option(
+        min=0.001, help="Over HTTP, seconds a session may sit idle before it is closed and its state freed."
+    ),
+]
 
 
 def _store(db: str | None) -> Store:
@@ -223,6 +230,7 @@ def envs_serve(
     transport: Annotated[str, typer.Option(help="stdio or http")] = "stdio",
     host: str = "127.0.0.1",
     port: int = 8100,
+    idle_timeout: IdleTimeoutOption = 1800.0,
     db: DbOption = None,
 ) -> None:
     """Serve an environment over MCP (each session gets its own instance)."""
@@ -231,7 +239,7 @@ def envs_serve(
     from trace_plugin.recorder import configure
 
     server = build_server(name, _environment(name, db), recorder=configure(db))
-    run(serve_stdio(server) if transport == "stdio" else serve_http(server, host, port))
+    run(serve_stdio(server) if transport == "stdio" else serve_http(server, host, port, idle_timeout))
 
 
 @app.command("mcp-proxy")
@@ -243,23 +251,18 @@ def mcp_proxy(
     host: str = "127.0.0.1",
     port: int = 8200,
     agent: Annotated[str, typer.Option(help="Agent name for the recorded episodes.")] = "mcp-proxy",
+    idle_timeout: IdleTimeoutOption = 1800.0,
     db: DbOption = None,
 ) -> None:
     """Sit between an MCP client and an MCP server, recording every tool call."""
 
-    from mcp_server.proxy import build_proxy, connect
+    from mcp_server.proxy import build_proxy
     from mcp_server.transport import run, serve_http, serve_stdio
     from trace_plugin.recorder import configure
 
-    recorder = configure(db)
-
-    async def proxy() -> None:
-        target = upstream[0] if len(upstream) == 1 and upstream[0].startswith("http") else upstream
-        async with connect(target) as session:
-            server = build_proxy(session, agent=agent, recorder=recorder)
-            await (serve_stdio(server) if transport == "stdio" else serve_http(server, host, port))
-
-    run(proxy())
+    target = upstream[0] if len(upstream) == 1 and upstream[0].startswith("http") else upstream
+    server = build_proxy(target, agent=agent, recorder=configure(db))
+    run(serve_stdio(server) if transport == "stdio" else serve_http(server, host, port, idle_timeout))
 
 
 capabilities_app = typer.Typer(help="Capabilities mined from an agent's episodes.", no_args_is_help=True)
