@@ -407,11 +407,7 @@ class Improver:
         await self.gateway.set_router(deployment.router)
         if await self.gateway.router() != deployment.router:
             raise RuntimeError("the gateway did not take the new router")
-        for previous in self.store.deployments(self.config.agent, status="live"):
-            previous.status = "superseded"
-            self.store.save_deployment(previous)
-        deployment.status = "live"
-        self.store.save_deployment(deployment)
+        self.store.make_live(deployment)
         self.console.log(f"[green]deployed {deployment.id}[/]: {deployment.adapters}")
         return {"deployment": deployment.id}
 
