@@ -1,29 +1,87 @@
 """A real improver process on a tiny budget, for tests that kill it (see test_improver_restarts).
 
-An optional fourth argument names a stage after which the process stops and waits to be
-killed, so that a kill aimed at that stage cannot land after the cycle has moved on.
+An optional fourth argument names a point where the process prints ``paused at POINT``
+and waits to be killed, so that a kill aimed there cannot land anywhere else:
+
+- ``STAGE:done``: that stage's job is recorded done;
+- ``synthesize:stored``: the environment is stored, its job not yet done;
+- ``train:checkpoint``: training wrote its first checkpoint;
+- ``evaluate:played``: the evaluation played its first held-out episodes;
+- ``deploy:commit``: inside the transaction that makes the deployment live, before its commit.
+
+Every optimizer step prints ``trained step N``, so a test sees where training resumed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import sys
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+from sqlalchemy import event, select
+from sqlalchemy.engine import Connection
+from transformers import TrainerCallback
+
+import training.executors
+from trace_plugin.deployments import Deployment
+from trace_plugin.environments.runner import EpisodeResult
+from trace_plugin.environments.spec import EnvSpec
 from trace_plugin.improver import Improver, ImproverConfig
 from trace_plugin.recorder import Recorder
 from trace_plugin.store import Store
+from trace_plugin.store import tables as t
+from training.experts import ExpertTrainer
 
 db, gateway_url, adapter_root = sys.argv[1:4]
-pause_after = sys.argv[4] if len(sys.argv) > 4 else None
+pause_at = sys.argv[4] if len(sys.argv) > 4 else None
+
+
+def pause(point: str) -> None:
+    """Stop for good at ``point`` when it is the one asked for: the test kills the process."""
+    if point == pause_at:
+        print("paused at", point, flush=True)
+        time.sleep(3600)
+
+
+class Steps(TrainerCallback):
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        print("trained step", state.global_step, flush=True)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        pause("train:checkpoint")  # TRL calls it once the checkpoint is complete
+
+
+class ReportingTrainer(ExpertTrainer):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs, callbacks=[Steps()])
+
+
+training.executors.ExpertTrainer = ReportingTrainer  # what the local executor trains with
 
 
 class PausingImprover(Improver):
-    async def _job(self, cycle, stage, key, work):
+    deploying: str | None = None  # the deployment _deploy is switching to
+
+    async def _job(self, cycle: str, stage: str, key: str, work: Callable[[], Any]) -> dict[str, Any]:
         outputs = await super()._job(cycle, stage, key, work)
-        if stage == pause_after:
-            await asyncio.sleep(3600)
+        pause(f"{stage}:done")
         return outputs
+
+    async def _synthesize(self, capability: str) -> dict[str, Any]:
+        outputs = await super()._synthesize(capability)
+        pause("synthesize:stored")
+        return outputs
+
+    async def _play_spec(self, spec: EnvSpec, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
+        results = await super()._play_spec(spec, model, seeds)
+        pause("evaluate:played")  # only the evaluation plays environments here: the router is static
+        return results
+
+    async def _deploy(self, deployment: Deployment) -> dict[str, Any]:
+        self.deploying = deployment.id
+        return await super()._deploy(deployment)
 
 
 config = ImproverConfig(
@@ -49,7 +107,19 @@ config = ImproverConfig(
         "checkpoint_every": 1,
     },
 )
-recorder = Recorder(db)
-deployment = PausingImprover(Store(db), config, recorder=recorder).run_once(wait=60)
+store, recorder = Store(db), Recorder(db)
+improver = PausingImprover(store, config, recorder=recorder)
+
+
+@event.listens_for(store.engine, "commit")
+def before_commit(conn: Connection) -> None:
+    """Pause in the transaction that leaves the new deployment live (as it sees it), uncommitted."""
+    if improver.deploying is not None:
+        c = t.deployments.c
+        if conn.execute(select(c.id).where(c.id == improver.deploying, c.status == "live")).first():
+            pause("deploy:commit")
+
+
+deployment = improver.run_once(wait=60)
 recorder.close()
 print("deployed", deployment.id if deployment else None, flush=True)

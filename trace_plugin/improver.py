@@ -247,28 +247,34 @@ class Improver:
 
     async def _synthesize(self, capability: str) -> dict[str, Any]:
         [found] = [c for c in self.store.capabilities(self.config.agent) if c.name == capability]
-        play = None
-        if self.config.calibrate:
-            play = chat_player(
-                f"{self.config.gateway_url}/v1",
-                "base",
-                agent=f"calibration:{self.config.agent}",
-                max_tokens=self.training_config().max_completion_length,  # as training will generate
-                max_turns=self.training_config().max_turns,
-                examples=self.examples(),
-                recorder=self.recorder,
-            )
-        record = await prepare_environment(
-            self.store,
-            self.config.agent,
-            found,
-            play=play,
-            seeds=range(2_000_000, 2_000_000 + self.config.calibration_seeds),
-            samples=self.config.calibration_samples,
-            band=Band(attempts=self.config.calibration_attempts),
-            hint_fraction=self.training_config().hint_fraction,
-            progress=self.console.log,
+        # Stored already when a run was killed before its job was recorded done: not twice.
+        mined = {"name": found.name, "mining_run": found.mining_run}
+        record = next(
+            (r for r in self.store.env_specs(self.config.agent) if r.report.get("capability") == mined), None
         )
+        if record is None:
+            play = None
+            if self.config.calibrate:
+                play = chat_player(
+                    f"{self.config.gateway_url}/v1",
+                    "base",
+                    agent=f"calibration:{self.config.agent}",
+                    max_tokens=self.training_config().max_completion_length,  # as training will generate
+                    max_turns=self.training_config().max_turns,
+                    examples=self.examples(),
+                    recorder=self.recorder,
+                )
+            record = await prepare_environment(
+                self.store,
+                self.config.agent,
+                found,
+                play=play,
+                seeds=range(2_000_000, 2_000_000 + self.config.calibration_seeds),
+                samples=self.config.calibration_samples,
+                band=Band(attempts=self.config.calibration_attempts),
+                hint_fraction=self.training_config().hint_fraction,
+                progress=self.console.log,
+            )
         self.console.log(f"{record.spec.name} v{record.version}: {record.status}")
         return {"env": record.spec.name, "version": record.version, "status": record.status}
 
@@ -407,11 +413,7 @@ class Improver:
         await self.gateway.set_router(deployment.router)
         if await self.gateway.router() != deployment.router:
             raise RuntimeError("the gateway did not take the new router")
-        for previous in self.store.deployments(self.config.agent, status="live"):
-            previous.status = "superseded"
-            self.store.save_deployment(previous)
-        deployment.status = "live"
-        self.store.save_deployment(deployment)
+        self.store.make_live(deployment)
         self.console.log(f"[green]deployed {deployment.id}[/]: {deployment.adapters}")
         return {"deployment": deployment.id}
 

@@ -449,6 +449,21 @@ class Store:
         deployment.updated_at = utcnow()
         self._upsert(t.deployments, deployment.agent, _to_row(deployment, _DEPLOYMENT_COLUMNS))
 
+    def make_live(self, deployment: Deployment) -> None:
+        """Store ``deployment`` as its agent's live one and supersede the one live before, in
+        one transaction: a process killed during the switch leaves the old one live, never none."""
+        now = utcnow()
+        c = t.deployments.c
+        with self.engine.begin() as conn:
+            conn.execute(
+                update(t.deployments)
+                .where(c.agent == deployment.agent, c.status == "live", c.id != deployment.id)
+                .values(status="superseded", updated_at=now)
+            )
+            row = {**_to_row(deployment, _DEPLOYMENT_COLUMNS), "status": "live", "updated_at": now}
+            self._upsert_row(conn, t.deployments, deployment.agent, row)
+        deployment.status, deployment.updated_at = "live", now
+
     def deployments(self, agent: str, *, status: str | None = None) -> list[Deployment]:
         """An agent's deployments, oldest first."""
         c = t.deployments.c
@@ -460,11 +475,14 @@ class Store:
 
     def _upsert(self, table: t.Table, agent: str, row: dict[str, Any]) -> None:
         """Update the row with this primary key, or insert it (the agent row first)."""
-        key = table.primary_key.columns.values()[0]
         with self.engine.begin() as conn:
-            conn.execute(self._insert_ignore(t.agents), [{"name": agent, "created_at": utcnow()}])
-            if not conn.execute(table.update().where(key == row[key.name]), row).rowcount:
-                conn.execute(table.insert(), row)
+            self._upsert_row(conn, table, agent, row)
+
+    def _upsert_row(self, conn: Connection, table: t.Table, agent: str, row: dict[str, Any]) -> None:
+        key = table.primary_key.columns.values()[0]
+        conn.execute(self._insert_ignore(t.agents), [{"name": agent, "created_at": utcnow()}])
+        if not conn.execute(table.update().where(key == row[key.name]), row).rowcount:
+            conn.execute(table.insert(), row)
 
     def count(self, table: str) -> int:
         with self._read_engine.connect() as conn:
