@@ -205,3 +205,35 @@ def test_a_deployment_switch_stopped_before_its_commit_leaves_the_old_one_live(d
     assert {d.id: d.status for d in store.deployments("a")} == {"old": "superseded", "new": "live"}
     store.close()
     other.close()
+
+
+def test_a_rollback_stopped_before_its_commit_leaves_the_current_one_live(db_url: str) -> None:
+    """A rollback is the same one-transaction switch: retiring the current deployment and
+    restoring the previous one commit together or not at all."""
+    store = Store(db_url)
+    store.upgrade()
+    previous, current = Deployment("c1", "a", "superseded"), Deployment("c2", "a", "live")
+    store.save_deployment(previous)
+    store.save_deployment(current)
+    other = Store(db_url)
+    seen: list[list[str]] = []
+
+    class Killed(Exception):
+        pass
+
+    def stop(conn: Connection) -> None:
+        seen.append([d.id for d in other.deployments("a", status="live")])
+        raise Killed
+
+    current.status, current.reasons = "rolled_back", ["live success fell"]
+    event.listen(store.engine, "commit", stop)
+    with pytest.raises(Killed):
+        store.make_live(previous, retire=current)
+    event.remove(store.engine, "commit", stop)
+    assert seen == [["c2"]]
+    assert {d.id: d.status for d in store.deployments("a")} == {"c1": "superseded", "c2": "live"}
+    store.make_live(previous, retire=current)
+    stored = {d.id: (d.status, d.reasons) for d in store.deployments("a")}
+    assert stored == {"c1": ("live", []), "c2": ("rolled_back", ["live success fell"])}
+    store.close()
+    other.close()

@@ -445,9 +445,7 @@ class Improver:
             f"live success {now_rate:.2f} over {window} episodes fell below {before_rate:.2f} "
             f"(the previous deployment) by more than {self.config.rollback_drop}",
         ]
-        previous.status = "live"
-        self.store.save_deployment(current)
-        self.store.save_deployment(previous)
+        self.store.make_live(previous, retire=current)  # one transaction: never no live deployment
         self.console.log(f"[red]rolled back {current.id}[/]: {current.reasons[-1]}")
         return previous
 

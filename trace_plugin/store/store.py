@@ -449,12 +449,19 @@ class Store:
         deployment.updated_at = utcnow()
         self._upsert(t.deployments, deployment.agent, _to_row(deployment, _DEPLOYMENT_COLUMNS))
 
-    def make_live(self, deployment: Deployment) -> None:
+    def make_live(self, deployment: Deployment, *, retire: Deployment | None = None) -> None:
         """Store ``deployment`` as its agent's live one and supersede the one live before, in
-        one transaction: a process killed during the switch leaves the old one live, never none."""
+        one transaction: a process killed during the switch leaves the old one live, never none.
+
+        ``retire`` is stored in the same transaction with the status it carries (a rollback
+        marks the deployment it replaces ``rolled_back``, with its reasons).
+        """
         now = utcnow()
         c = t.deployments.c
         with self.engine.begin() as conn:
+            if retire is not None:
+                retire.updated_at = now
+                self._upsert_row(conn, t.deployments, retire.agent, _to_row(retire, _DEPLOYMENT_COLUMNS))
             conn.execute(
                 update(t.deployments)
                 .where(c.agent == deployment.agent, c.status == "live", c.id != deployment.id)
