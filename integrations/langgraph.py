@@ -24,7 +24,7 @@ from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tracers.context import register_configure_hook
 
 from trace_plugin.conversations import served_by
-from trace_plugin.payload import MAX_DEPTH, MAX_NODES, Lazy
+from trace_plugin.payload import Lazy, Shaped
 from trace_plugin.tracer import ActiveEpisode, Tracer
 from trace_plugin.trajectory import Step, StepKind, utcnow
 
@@ -88,7 +88,7 @@ class TraceCallbackHandler(BaseCallbackHandler):
         else:  # a root run, or one whose parent ran outside this capture
             meta = {k: v for k, v in (metadata or {}).items() if not k.startswith(("ls_", "langgraph_"))}
             episode = self.tracer.start_episode(
-                Lazy(to_openai_json, inputs),
+                openai_json(inputs),
                 episode_id=meta.pop(EPISODE_ID_KEY, None),
                 metadata=meta,
                 model=model,
@@ -165,7 +165,7 @@ class TraceCallbackHandler(BaseCallbackHandler):
             self._open_step(run, "node", name, parent_run_id, None)
 
     def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
-        self._close(run_id, output=Lazy(to_openai_json, outputs), final_state=outputs)
+        self._close(run_id, output=openai_json(outputs), final_state=outputs)
 
     def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         self._close(run_id, error=error)
@@ -210,7 +210,7 @@ class TraceCallbackHandler(BaseCallbackHandler):
         usage: dict[str, Any] = {}
         if isinstance(generation, ChatGeneration):
             final: Any = generation.message
-            output: Any = Lazy(to_openai_json, final)
+            output: Any = openai_json(final)
             usage = getattr(final, "usage_metadata", None) or {}
             self._note_serving(run_id, (final.response_metadata or {}).get("system_fingerprint"))
         else:
@@ -274,8 +274,13 @@ def message_to_openai(message: BaseMessage) -> dict[str, Any]:
     """One message in OpenAI chat format: the shape every capture source stores.
 
     Leaner than ``convert_to_openai_messages`` (this runs for every recorded message);
-    content is kept as LangChain holds it, a string or a list of blocks.
+    content is kept as LangChain holds it, a string or a list of blocks. A run's messages
+    recur in many records (every LLM call's history, node updates, the final state), so
+    the last few hundred conversions are kept by identity and reused, read-only.
     """
+    hit = _converted.get(id(message))
+    if hit is not None and hit[0] is message:  # the entry holds the message: its id is not reused
+        return hit[1]
     out: dict[str, Any] = {"role": _ROLES.get(message.type) or getattr(message, "role", message.type)}
     out["content"] = message.content
     if message.name:
@@ -292,43 +297,28 @@ def message_to_openai(message: BaseMessage) -> dict[str, Any]:
         ]
     if isinstance(message, ToolMessage):
         out["tool_call_id"] = message.tool_call_id
+    if len(_converted) >= 512:
+        _converted.clear()
+    _converted[id(message)] = (message, out)
     return out
 
 
-def to_openai_json(value: Any) -> Any:
-    """Messages anywhere inside ``value`` in OpenAI chat format; the rest as it is.
+_converted: dict[int, tuple[BaseMessage, dict[str, Any]]] = {}
 
-    Bounded like :func:`trace_plugin.payload.to_jsonable`: below a cycle, the depth cap or
-    the node budget a value is left as it is, for the encoder to name.
-    """
-    budget = MAX_NODES
-    path: set[int] = set()
 
-    def walk(v: Any, depth: int) -> Any:
-        nonlocal budget
-        if isinstance(v, BaseMessage):
-            return message_to_openai(v)
-        is_record = dataclasses.is_dataclass(v) and not isinstance(v, type)  # e.g. a Command update
-        if not (is_record or isinstance(v, dict | list | tuple)):
-            return v
-        budget -= 1
-        if depth >= MAX_DEPTH or budget < 0 or id(v) in path:
-            return v
-        path.add(id(v))
-        try:
-            if isinstance(v, dict):
-                return {k: walk(x, depth + 1) for k, x in v.items()}
-            if not is_record:
-                return [walk(x, depth + 1) for x in v]
-            fields = ((f.name, getattr(v, f.name)) for f in dataclasses.fields(v))
-            return {
-                "__type__": type(v).__name__,
-                **{k: walk(x, depth + 1) for k, x in fields if x is not None},
-            }
-        finally:
-            path.discard(id(v))
+def openai_json(value: Any) -> Shaped:
+    """``value`` with LangChain messages anywhere inside in OpenAI chat format, encoded on
+    the recorder's thread."""
+    return Shaped(value, _openai_default)
 
-    return walk(value, 0)
+
+def _openai_default(value: Any) -> Any:
+    if isinstance(value, BaseMessage):
+        return message_to_openai(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # e.g. a Command update
+        fields = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
+        return {"__type__": type(value).__name__, **{k: v for k, v in fields if v is not None}}
+    raise TypeError(type(value).__qualname__)
 
 
 def _llm_input(args: tuple[list[BaseMessage], Any]) -> dict[str, Any]:

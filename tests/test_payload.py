@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace_plugin.payload import Lazy, clip_text, encode, make_redactor, redact_pii, to_jsonable
+from trace_plugin.payload import Lazy, Shaped, clip_text, encode, make_redactor, redact_pii, to_jsonable
 
 
 @dataclass
@@ -91,3 +91,29 @@ def test_custom_redactor_runs_after_the_builtin_patterns():
     redact = make_redactor(lambda s: s.replace("Alice", "[NAME]"))
     assert redact("Alice <alice@x.io>") == "[NAME] <[EMAIL]>"
     assert make_redactor(None) is None and make_redactor(False) is None
+
+
+class Message:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def test_shaped_values_convert_foreign_types_the_same_on_every_path():
+    def default(value):
+        if isinstance(value, Message):
+            return {"role": "user", "content": value.text}
+        raise TypeError(type(value).__name__)
+
+    state = {"messages": [Message("ann@example.com"), Message("hi")], "n": 1, "other": Point(1, 2.0)}
+    fast = json.loads(encode(Shaped(state, default)))  # orjson, calling default
+    redacted = json.loads(encode(Shaped(state, default), redact=make_redactor(True)))  # the walk
+    assert fast["messages"][1] == redacted["messages"][1] == {"role": "user", "content": "hi"}
+    assert (
+        fast["messages"][0]["content"] == "ann@example.com"
+        and redacted["messages"][0]["content"] == "[EMAIL]"
+    )
+    assert fast["other"] == redacted["other"] == {"x": 1, "y": 2.0}  # refused by default: the walk's form
+    loop: list = [Message("x")]
+    loop.append(loop)  # orjson gives up on the cycle; the walk names it and still converts the rest
+    walked = json.loads(encode(Shaped(loop, default)))
+    assert walked[0] == {"role": "user", "content": "x"} and walked[1]["__type__"] == "list"

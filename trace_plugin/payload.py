@@ -24,8 +24,8 @@ from trace_plugin.store.engine import JsonText
 
 DEFAULT_MAX_BYTES = 1_000_000
 TRUNCATED = "__truncated__"
-MAX_DEPTH = 64
-MAX_NODES = 200_000  # containers converted per payload; past that, the rest is opaque
+_MAX_DEPTH = 64
+_MAX_NODES = 200_000  # containers converted per payload; past that, the rest is opaque
 
 Redactor = Callable[[str], str]
 _dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode  # one encoder, not one per call
@@ -45,22 +45,42 @@ class Lazy:
         self.arg = arg
 
 
-def to_jsonable(value: Any, redact: Redactor | None = None) -> Any:
+class Shaped:
+    """A value whose foreign types (LangChain messages, say) ``default`` turns into JSON.
+
+    orjson walks the value in C and calls ``default`` only for the objects it does not
+    know, so a state of plain data and a few messages costs no walk in Python. When orjson
+    gives up (a cycle, a lone surrogate) or a redactor must see every string,
+    :func:`to_jsonable` applies ``default`` the same way. ``default`` raises TypeError for
+    what it does not know either.
+    """
+
+    __slots__ = ("value", "default")
+
+    def __init__(self, value: Any, default: Callable[[Any], Any]) -> None:
+        self.value = value
+        self.default = default
+
+
+def to_jsonable(
+    value: Any, redact: Redactor | None = None, default: Callable[[Any], Any] | None = None
+) -> Any:
     """A JSON-compatible copy of ``value``; what has no JSON form becomes its type and repr.
 
     The walk is bounded three ways: depth, a cycle check on the current path, and a total
     node budget. Depth alone is not enough: a value whose two keys both point back at it
     reaches the depth cap along 2^64 paths.
     """
-    return _Walk(redact).convert(value, 0)
+    return _Walk(redact, default).convert(value, 0)
 
 
 class _Walk:
-    __slots__ = ("redact", "budget", "path")
+    __slots__ = ("redact", "default", "budget", "path")
 
-    def __init__(self, redact: Redactor | None) -> None:
+    def __init__(self, redact: Redactor | None, default: Callable[[Any], Any] | None) -> None:
         self.redact = redact
-        self.budget = MAX_NODES
+        self.default = default
+        self.budget = _MAX_NODES
         self.path: set[int] = set()  # ids of the containers being converted above this one
 
     def text(self, value: str) -> str:
@@ -76,7 +96,7 @@ class _Walk:
         if isinstance(value, float):
             return value if math.isfinite(value) else None  # JSON has no NaN or Infinity; orjson writes null
         self.budget -= 1
-        if depth >= MAX_DEPTH or self.budget < 0 or id(value) in self.path:
+        if depth >= _MAX_DEPTH or self.budget < 0 or id(value) in self.path:
             return _opaque(value, self.redact)
         self.path.add(id(value))
         try:
@@ -97,6 +117,9 @@ class _Walk:
             return {"__type__": type(value).__name__, "length": len(value)}
         if isinstance(value, BaseException):
             return {"__type__": type(value).__name__, "error": self.text(str(value))}
+        if self.default is not None:
+            with contextlib.suppress(TypeError):
+                return self.convert(self.default(value), d)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return self.convert({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, d)
         dump = getattr(value, "model_dump", None)  # pydantic v2, which LangChain messages are
@@ -150,12 +173,16 @@ def _json_text(value: Any, redact: Redactor | None) -> str | None:
     try:
         if isinstance(value, Lazy):
             value = value.fn(value.arg)
+        default = None
+        if isinstance(value, Shaped):
+            value, default = value.value, value.default
         if value is None:
             return None
-        if redact is None:  # fast path: most payloads are plain JSON already, and orjson dumps them
+        if redact is None:  # fast path: orjson walks plain data in C
             with contextlib.suppress(TypeError):  # orjson.JSONEncodeError: a type, a cycle, a lone surrogate
-                return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
-        text = _dumps(to_jsonable(value, redact))
+                options = _ORJSON | (orjson.OPT_PASSTHROUGH_DATACLASS if default else 0)
+                return orjson.dumps(value, default=default, option=options).decode()
+        text = _dumps(to_jsonable(value, redact, default))
     except Exception as exc:  # a failing conversion (a Lazy's, a mapping's items()) must not lose the record
         error = f"not encodable: {type(exc).__name__}: {exc}"[:1_000]
         raw = value.arg if isinstance(value, Lazy) else value
@@ -165,6 +192,7 @@ def _json_text(value: Any, redact: Redactor | None) -> str | None:
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_ORJSON = orjson.OPT_NON_STR_KEYS
 
 
 def clip_text(
