@@ -24,7 +24,7 @@ from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tracers.context import register_configure_hook
 
 from trace_plugin.conversations import served_by
-from trace_plugin.payload import Lazy, Shaped
+from trace_plugin.payload import Shaped
 from trace_plugin.tracer import ActiveEpisode, Tracer
 from trace_plugin.trajectory import Step, StepKind, utcnow
 
@@ -189,7 +189,8 @@ class TraceCallbackHandler(BaseCallbackHandler):
             run.episode.model = model
         tools = params.get("tools")
         self._open_step(run, "llm", model or kwargs.get("name") or "chat_model", parent_run_id, None)
-        run.input = Lazy(_llm_input, (messages[0] if messages else [], tools))
+        names = [_tool_name(t) for t in tools] if tools else []
+        run.input = openai_json({"messages": messages[0] if messages else [], "tools": names})
         run.tools = tools or None
 
     def on_llm_start(
@@ -319,12 +320,6 @@ def _openai_default(value: Any) -> Any:
         fields = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
         return {"__type__": type(value).__name__, **{k: v for k, v in fields if v is not None}}
     raise TypeError(type(value).__qualname__)
-
-
-def _llm_input(args: tuple[list[BaseMessage], Any]) -> dict[str, Any]:
-    messages, tools = args
-    names = [_tool_name(t) for t in tools] if tools else []
-    return {"messages": [message_to_openai(m) for m in messages], "tools": names}
 
 
 def _tool_name(tool: Any) -> str:

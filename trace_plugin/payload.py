@@ -153,9 +153,37 @@ def encode(
 
     A cut payload is still valid JSON: ``{"__truncated__": true, "bytes": N, "preview": ...}``.
     """
+    if isinstance(value, JsonText):  # encoded already, at submit (encode_now)
+        return value
     text = _json_text(value, redact)
-    if text is None:
-        return None
+    return None if text is None else _bounded(text, max_bytes)
+
+
+def encode_now(value: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
+    """``value`` encoded on the spot if orjson alone can do it, else ``value`` itself.
+
+    Capture calls this on the agent's thread, where it costs microseconds for a typical
+    payload (about a millisecond per megabyte). The queued record then holds one string
+    instead of the agent's objects: kept alive until the writer's next drain, those got
+    promoted to the oldest generation and made Python's collector rescan the whole heap
+    every few hundred runs. Whatever orjson refuses (a cycle, a foreign type) waits for
+    the writer's bounded walk. Not for payloads that must be redacted first.
+    """
+    if isinstance(value, Shaped):
+        raw, default = value.value, value.default
+    elif value is None or isinstance(value, Lazy | JsonText):
+        return value
+    else:
+        raw, default = value, None
+    try:
+        options = _ORJSON | (orjson.OPT_PASSTHROUGH_DATACLASS if default else 0)
+        return _bounded(orjson.dumps(raw, default=default, option=options).decode(), max_bytes)
+    except Exception:  # a refusal, or a default that failed: the writer tries again
+        return value
+
+
+def _bounded(text: str, max_bytes: int) -> JsonText:
+    """``text`` as stored: cut to ``max_bytes`` with the truncation marker when longer."""
     raw = text.encode()
     if len(raw) <= max_bytes:
         return JsonText(text)

@@ -28,7 +28,7 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
-from trace_plugin.payload import DEFAULT_MAX_BYTES, Redactor, clip_text, encode, make_redactor
+from trace_plugin.payload import DEFAULT_MAX_BYTES, Redactor, clip_text, encode, encode_now, make_redactor
 from trace_plugin.store import Store
 from trace_plugin.store.store import Record
 from trace_plugin.trajectory import Episode, EpisodeEnd, Feedback, Step
@@ -49,6 +49,18 @@ class PayloadPolicy:
 
 
 DEFAULT_POLICY = PayloadPolicy()
+
+
+def encode_now_in_place(record: Record, max_bytes: int) -> None:
+    """:func:`~trace_plugin.payload.encode_now` on a record's payload fields."""
+    if isinstance(record, Episode):
+        record.input = encode_now(record.input, max_bytes)
+        record.metadata = encode_now(record.metadata, max_bytes)
+    elif isinstance(record, Step):
+        record.input = encode_now(record.input, max_bytes)
+        record.output = encode_now(record.output, max_bytes)
+    elif isinstance(record, EpisodeEnd):
+        record.output = encode_now(record.output, max_bytes)
 
 
 def encode_record(record: Record, policy: PayloadPolicy) -> Record:
@@ -123,6 +135,8 @@ class Recorder:
             if len(self._queue) >= self.max_queue:
                 self._count_drop(1, queue_full=True)
             else:
+                if policy.redact is None:  # a redactor must see every string: the writer encodes those
+                    encode_now_in_place(record, policy.max_bytes)
                 self._queue.append((record, policy))
         except Exception:  # capture must never break the agent
             self._count_drop(1)
