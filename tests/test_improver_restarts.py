@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +176,28 @@ async def test_killed_at_every_stage_the_improver_finishes_once(
     assert len(store.env_specs("planted")) == 1  # synthesized once
 
 
+class Killed(Exception):
+    """Raised where a kill would land: just before a transaction's commit."""
+
+
+def live_seen_mid_switch(store: Store, db_url: str, switch: Callable[[], None]) -> list[str]:
+    """Run ``switch`` stopped just before its commit; what another connection saw live then."""
+    other = Store(db_url)
+    seen: list[list[str]] = []
+
+    def stop(conn: Connection) -> None:
+        seen.append([d.id for d in other.deployments("a", status="live")])
+        raise Killed
+
+    event.listen(store.engine, "commit", stop)
+    with pytest.raises(Killed):
+        switch()
+    event.remove(store.engine, "commit", stop)
+    other.close()
+    [live] = seen
+    return live
+
+
 def test_a_deployment_switch_stopped_before_its_commit_leaves_the_old_one_live(db_url: str) -> None:
     """The switch is one transaction, on SQLite and PostgreSQL: stopped before its commit
     (as a kill would), another connection still sees the old deployment live, and only it."""
@@ -184,27 +206,12 @@ def test_a_deployment_switch_stopped_before_its_commit_leaves_the_old_one_live(d
     old, new = Deployment("old", "a", "live"), Deployment("new", "a", "rejected")
     store.save_deployment(old)
     store.save_deployment(new)
-    other = Store(db_url)
-    seen: list[list[str]] = []
-
-    class Killed(Exception):
-        pass
-
-    def stop(conn: Connection) -> None:
-        seen.append([d.id for d in other.deployments("a", status="live")])
-        raise Killed
-
-    event.listen(store.engine, "commit", stop)
-    with pytest.raises(Killed):
-        store.make_live(new)
-    event.remove(store.engine, "commit", stop)
-    assert seen == [["old"]]
+    assert live_seen_mid_switch(store, db_url, lambda: store.make_live(new)) == ["old"]
     assert {d.id: d.status for d in store.deployments("a")} == {"old": "live", "new": "rejected"}
     store.make_live(new)
     store.make_live(new)  # a rerun after a kill past the commit changes nothing
     assert {d.id: d.status for d in store.deployments("a")} == {"old": "superseded", "new": "live"}
     store.close()
-    other.close()
 
 
 def test_a_rollback_stopped_before_its_commit_leaves_the_current_one_live(db_url: str) -> None:
@@ -215,25 +222,11 @@ def test_a_rollback_stopped_before_its_commit_leaves_the_current_one_live(db_url
     previous, current = Deployment("c1", "a", "superseded"), Deployment("c2", "a", "live")
     store.save_deployment(previous)
     store.save_deployment(current)
-    other = Store(db_url)
-    seen: list[list[str]] = []
-
-    class Killed(Exception):
-        pass
-
-    def stop(conn: Connection) -> None:
-        seen.append([d.id for d in other.deployments("a", status="live")])
-        raise Killed
-
     current.status, current.reasons = "rolled_back", ["live success fell"]
-    event.listen(store.engine, "commit", stop)
-    with pytest.raises(Killed):
-        store.make_live(previous, retire=current)
-    event.remove(store.engine, "commit", stop)
-    assert seen == [["c2"]]
+    rollback = lambda: store.make_live(previous, retire=current)  # noqa: E731
+    assert live_seen_mid_switch(store, db_url, rollback) == ["c2"]
     assert {d.id: d.status for d in store.deployments("a")} == {"c1": "superseded", "c2": "live"}
-    store.make_live(previous, retire=current)
+    rollback()
     stored = {d.id: (d.status, d.reasons) for d in store.deployments("a")}
     assert stored == {"c1": ("live", []), "c2": ("rolled_back", ["live success fell"])}
     store.close()
-    other.close()

@@ -1,8 +1,11 @@
 """Turning arbitrary captured objects into bounded, redacted JSON.
 
 Capture hands the recorder whatever the agent produced: messages, pydantic models,
-dataclasses, exceptions, objects with no JSON form. Everything is converted here, on the
-recorder's thread, so the agent never pays for it and never sees it fail.
+dataclasses, exceptions, objects with no JSON form. Everything is converted here, and
+never fails. Plain data (with a ``default`` for a framework's own types) is serialized by
+orjson at submit, which costs the agent microseconds and keeps its objects out of the
+queue; anything orjson refuses, and anything to redact, waits for the recorder's thread
+and its bounded walk.
 """
 
 from __future__ import annotations
@@ -118,8 +121,12 @@ class _Walk:
         if isinstance(value, BaseException):
             return {"__type__": type(value).__name__, "error": self.text(str(value))}
         if self.default is not None:
-            with contextlib.suppress(TypeError):
-                return self.convert(self.default(value), d)
+            try:
+                shaped = self.default(value)
+            except TypeError:  # not one of the default's types
+                pass
+            else:
+                return self.convert(shaped, d)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return self.convert({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, d)
         dump = getattr(value, "model_dump", None)  # pydantic v2, which LangChain messages are
