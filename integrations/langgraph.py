@@ -308,8 +308,8 @@ _converted: dict[int, tuple[BaseMessage, dict[str, Any]]] = {}
 
 
 def openai_json(value: Any) -> Shaped:
-    """``value`` with LangChain messages anywhere inside in OpenAI chat format, encoded on
-    the recorder's thread."""
+    """``value`` to be stored with LangChain messages anywhere inside in OpenAI chat format
+    (serialized when its record is submitted, or on the recorder's thread if redacted)."""
     return Shaped(value, _openai_default)
 
 

@@ -115,7 +115,7 @@ class Store:
         self._read_engine = self.engine.execution_options(sqlite_read=True)
         self._known_agents: set[str] = set()
         self._known_tools: set[str] = set()
-        # Agents offer the same schema objects on every call: hash each object once.
+        # Agents offer the same schemas on every call: hash each distinct one once (see _hash_of).
         self._hashes: dict[bytes, str] = {}
 
     @property
