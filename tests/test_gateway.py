@@ -353,6 +353,25 @@ def test_non_json_and_oversized_bodies(gateway):
     assert r.status_code == 413
 
 
+def test_a_prompt_the_context_cannot_hold_is_a_400_and_its_batch_is_served(gateway, backend):
+    """Checked before batching: in a batch the over-long row failed every row beside it."""
+    too_long = "word " * (backend.context + 10)  # one token each, at least
+    far_too_long = "x" * (backend.context * 100)  # refused before it is even tokenized
+
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as http:
+            return await asyncio.gather(
+                http.post("/v1/completions", json={"model": "base", "prompt": too_long, "max_tokens": 4}),
+                http.post("/v1/completions", json={"model": "base", "prompt": far_too_long, "max_tokens": 4}),
+                http.post("/v1/completions", json={"model": "base", "prompt": "Hello", "max_tokens": 4}),
+            )
+
+    long_one, longer, normal = asyncio.run(both())
+    assert long_one.status_code == 400 and "context" in long_one.json()["error"]["message"]
+    assert longer.status_code == 400 and "cannot fit" in longer.json()["error"]["message"]
+    assert normal.status_code == 200, normal.text
+
+
 # -- adapters --------------------------------------------------------------------------------
 
 

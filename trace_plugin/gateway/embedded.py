@@ -54,6 +54,10 @@ class EmbeddedBackend:
         self.batch_window_s = batch_window_s
         self.max_lora_rank = max_lora_rank
         self.model, self.tokenizer = load_model(self.model_dir)
+        self.context: int | None = getattr(self.model.config, "max_position_embeddings", None)
+        # No token decodes to more characters than the longest vocabulary entry: a prompt
+        # longer than context x that cannot fit, and is refused before it is tokenized.
+        self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
         self._eos_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         if not isinstance(self._eos_id, int) or self._eos_id == self.tokenizer.unk_token_id:
             self._eos_id = self.tokenizer.eos_token_id
@@ -77,6 +81,7 @@ class EmbeddedBackend:
     async def generate(self, prompt: str, params: SamplingParams, adapter: str | None) -> list[Completion]:
         if adapter is not None and adapter not in self._adapters:
             raise BackendError(f"adapter {adapter!r} is not loaded", status=404)
+        await self._check_fits(prompt, params.max_tokens)
         loop = asyncio.get_running_loop()
         queue, worker = self._workers.get(loop, (None, None))
         if queue is None or worker is None or worker.done():  # one batching worker per event loop
@@ -86,6 +91,21 @@ class EmbeddedBackend:
         future = loop.create_future()
         await queue.put(_Request(prompt, params, adapter, future))
         return await future
+
+    async def _check_fits(self, prompt: str, max_tokens: int) -> None:
+        """A 400 for a prompt the model's context cannot hold, before it joins a batch:
+        in one, it would fail every request generated beside it."""
+        if self.context is None:
+            return
+        if len(prompt) > self.context * self._max_token_chars:
+            raise BackendError(f"the prompt ({len(prompt)} characters) cannot fit the model's context", 400)
+        tokens = len(await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=False))
+        if tokens + max_tokens > self.context:
+            raise BackendError(
+                f"the prompt is {tokens} tokens and max_tokens {max_tokens}: "
+                f"over the model's {self.context}-token context",
+                400,
+            )
 
     async def embed(self, texts: list[str]) -> list[list[float]]:
         return await asyncio.to_thread(self._embed, texts)
