@@ -26,10 +26,12 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+import orjson
 from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
 from trace_plugin.payload import DEFAULT_MAX_BYTES, Redactor, clip_text, encode, encode_now, make_redactor
 from trace_plugin.store import Store
+from trace_plugin.store.engine import JsonText
 from trace_plugin.store.store import Record
 from trace_plugin.trajectory import Episode, EpisodeEnd, Feedback, Step
 
@@ -61,6 +63,15 @@ def encode_now_in_place(record: Record, max_bytes: int) -> None:
         record.output = encode_now(record.output, max_bytes)
     elif isinstance(record, EpisodeEnd):
         record.output = encode_now(record.output, max_bytes)
+
+
+def schemas_as_text(step: Step) -> None:
+    """A step's tool schemas as JSON text, whatever the policy (schemas are never redacted
+    or cut). Each LLM call offers new dicts; held until the writer's next drain they were
+    promoted by the collector and rescanned: about a tenth of a zero-latency agent's time."""
+    if step.tools:
+        with contextlib.suppress(TypeError):  # not plain JSON: the store hashes the dicts
+            step.tools = [JsonText(orjson.dumps(schema).decode()) for schema in step.tools]
 
 
 def encode_record(record: Record, policy: PayloadPolicy) -> Record:
@@ -137,6 +148,8 @@ class Recorder:
             else:
                 if policy.redact is None:  # a redactor must see every string: the writer encodes those
                     encode_now_in_place(record, policy.max_bytes)
+                if isinstance(record, Step):
+                    schemas_as_text(record)
                 self._queue.append((record, policy))
         except Exception:  # capture must never break the agent
             self._count_drop(1)

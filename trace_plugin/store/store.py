@@ -182,7 +182,7 @@ class Store:
 
     def _write_tools(self, conn: Connection, step_rows: Iterable[Step]) -> set[str]:
         """Store unseen tool schemas once and link each to its episodes; returns new hashes."""
-        schemas: dict[str, dict[str, Any]] = {}
+        schemas: dict[str, dict[str, Any] | str] = {}  # a dict, or its JSON text (see Recorder.submit)
         links: set[tuple[str, str]] = set()
         for s in step_rows:
             for schema in s.tools or ():
@@ -197,7 +197,7 @@ class Store:
             rows = [
                 {
                     "hash": h,
-                    "name": _fit(t.tool_schemas.c.name, _tool_name(schemas[h])),
+                    "name": _fit(t.tool_schemas.c.name, _tool_name(_as_dict(schemas[h]))),
                     "schema": schemas[h],
                     "created_at": now,
                 }
@@ -210,22 +210,26 @@ class Store:
         )
         return new
 
-    def _hash_of(self, schema: dict[str, Any]) -> str:
+    def _hash_of(self, schema: dict[str, Any] | str) -> str:
         """:func:`tool_hash`, cached by content: capture sources build a new dict per call.
 
-        The key is orjson's sorted dump, which is cheap and is bytes, so the cache holds
-        nothing the garbage collector must scan (a cache keyed by the dicts themselves
-        kept thousands of them alive and slowed every collection).
+        The key is the schema's JSON text (the recorder serializes schemas at submit) or
+        orjson's sorted dump of a dict: bytes, so the cache holds nothing the garbage
+        collector must scan (a cache keyed by the dicts themselves kept thousands of them
+        alive and slowed every collection).
         """
-        try:
-            key = orjson.dumps(schema, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
-        except TypeError:  # not plain JSON: hash it the slow way, uncached
-            return tool_hash(schema)
+        if isinstance(schema, str):
+            key = schema.encode()
+        else:
+            try:
+                key = orjson.dumps(schema, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
+            except TypeError:  # not plain JSON: hash it the slow way, uncached
+                return tool_hash(schema)
         digest = self._hashes.get(key)
         if digest is None:
             if len(self._hashes) >= 4_096:
                 self._hashes.clear()
-            digest = self._hashes[key] = tool_hash(schema)
+            digest = self._hashes[key] = tool_hash(_as_dict(schema))
         return digest
 
     def _bulk_insert(
@@ -637,6 +641,10 @@ def _feedback_row(f: Feedback) -> dict[str, Any]:
     for name in ("episode_id", "label", "source", "comment"):
         row[name] = _fit(c[name], row[name])
     return row
+
+
+def _as_dict(schema: dict[str, Any] | str) -> dict[str, Any]:
+    return json.loads(schema) if isinstance(schema, str) else schema
 
 
 def _tool_name(schema: dict[str, Any]) -> str:
