@@ -108,3 +108,44 @@ def test_tool_schemas_are_captured_with_mock_responses(logger):
     [episode] = episodes(logger, "lite-tools")
     assert episode.steps[0].input["tools"] == ["get_order"]
     assert logger._tracer_for("lite-tools").recorder.store.tool_schemas("lite-tools") == tools
+
+
+def _logged(call_id, messages, reply):
+    """What litellm hands a logger for one call: the kwargs and the response."""
+    kwargs = {
+        "litellm_call_id": call_id,
+        "messages": messages,
+        "model": "x",
+        "litellm_params": {"metadata": {"trace_agent": "lite-order"}},
+    }
+    response = litellm.ModelResponse(choices=[{"message": {"role": "assistant", **reply}}])
+    return kwargs, response
+
+
+def test_a_conversation_logged_out_of_order_is_one_episode(tmp_path):
+    """litellm logs sync calls on pool threads, so a conversation's second call can reach
+    the logger first; it must still continue the first call's episode."""
+    recorder = Recorder(f"sqlite:///{tmp_path / 'trace.db'}")
+    recorder.store.upgrade()
+    logger = TraceLogger(agent="lite", recorder=recorder)
+    opening = [{"role": "user", "content": "Where is W1?"}]
+    asked = {
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_order", "arguments": "{}"}}]
+    }
+    first = _logged("a", opening, asked)
+    follow_up = [
+        *opening,
+        {"role": "assistant", **asked},
+        {"role": "tool", "tool_call_id": "c1", "content": "shipped"},
+    ]
+    second = _logged("b", follow_up, {"content": "It shipped."})
+    for kwargs, _ in (first, second):
+        logger.log_pre_api_call(model="x", messages=kwargs["messages"], kwargs=kwargs)
+    logger.log_success_event(*second, None, None)
+    assert episodes(logger, "lite-order") == []  # the second waits for the first
+    logger.log_success_event(*first, None, None)
+    assert logger.flush()
+    [episode] = episodes(logger, "lite-order")
+    assert [s.output.get("content") for s in episode.steps] == [None, "It shipped."]
+    assert episode.status == "completed"
+    recorder.close()

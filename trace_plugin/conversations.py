@@ -132,13 +132,23 @@ class ConversationEpisodes:
             tracer.recorder.submit(end, tracer.policy)
         return active.id
 
+    def placed(self, call: ModelCall) -> bool:
+        """Whether ``call``'s episode is settled: it names one, opens a conversation, or
+        extends a recorded exchange. A source that logs calls out of order holds back the
+        others until the earlier calls are in."""
+        if call.episode_id is not None or not any(m.get("role") == "assistant" for m in call.messages):
+            return True
+        with self._lock:
+            return self._known_prefix(call) is not None
+
+    def _known_prefix(self, call: ModelCall) -> str | None:
+        for digest in reversed(prefix_digests(call.messages)):
+            if digest in self._by_digest:
+                return self._by_digest[digest]
+        return None
+
     def _begin(self, call: ModelCall) -> tuple[Tracer, ActiveEpisode]:
-        episode_id = call.episode_id
-        if episode_id is None:
-            for digest in reversed(prefix_digests(call.messages)):
-                if digest in self._by_digest:
-                    episode_id = self._by_digest[digest]
-                    break
+        episode_id = call.episode_id if call.episode_id is not None else self._known_prefix(call)
         if episode_id is not None and episode_id in self._by_id:
             self._by_id.move_to_end(episode_id)
             return self._by_id[episode_id]
