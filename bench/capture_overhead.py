@@ -34,7 +34,7 @@ from sqlalchemy import create_engine, text
 import trace_plugin
 from integrations.scripted_chat_model import ScriptedChatModel, call_tools_then_answer
 from trace_plugin import Recorder
-from trace_plugin.trajectory import Episode, EpisodeEnd, Step, new_id
+from trace_plugin.records.trajectory import Episode, EpisodeEnd, Step, new_id
 
 EVENTS_PER_RUN = 9  # the episode, 2 model nodes, 2 LLM calls, 2 tool nodes, 2 tool calls
 

@@ -42,11 +42,11 @@ from trace_plugin.demo import AGENT, PRESETS, Preset, SupportStack  # noqa: E402
 from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall  # noqa: E402
 from trace_plugin.environments.interpreter import SpecEnv, worked_example  # noqa: E402
 from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv  # noqa: E402
-from trace_plugin.environments.spec import EnvSpec  # noqa: E402
 from trace_plugin.gateway.adapters import split_name  # noqa: E402
 from trace_plugin.gateway.routing import router_from_spec  # noqa: E402
 from trace_plugin.improver import TRAINING_SEEDS, GatewayAdmin  # noqa: E402
 from trace_plugin.mining.miner import OfflineMiner  # noqa: E402
+from trace_plugin.records.env_spec import EnvSpec  # noqa: E402
 from training.lora import is_noop  # noqa: E402
 
 # The budget per method is ``rollouts`` times ``max_experts``. Quick is the demo's. The default

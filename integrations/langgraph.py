@@ -25,8 +25,8 @@ from langchain_core.tracers.context import register_configure_hook
 
 from trace_plugin.conversations import served_by
 from trace_plugin.payload import Shaped
+from trace_plugin.records.trajectory import Step, StepKind, utcnow
 from trace_plugin.tracer import ActiveEpisode, Tracer
-from trace_plugin.trajectory import Step, StepKind, utcnow
 
 # Config metadata key with which a caller chooses the episode id of a run.
 EPISODE_ID_KEY = "trace_episode_id"

@@ -33,8 +33,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.util.types import AttributeValue
 
 from trace_plugin import __version__
+from trace_plugin.records.trajectory import Episode, Step
 from trace_plugin.store import Store
-from trace_plugin.trajectory import Episode, Step
 
 # GenAI semantic-convention attributes (development status; names as of semconv 1.37+).
 OPERATION = "gen_ai.operation.name"

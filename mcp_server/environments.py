@@ -23,8 +23,8 @@ import mcp.types as types
 from mcp_server.transport import McpServer
 from trace_plugin.environments import Environment, ToolCall, observation_error
 from trace_plugin.recorder import Recorder
+from trace_plugin.records.trajectory import Feedback
 from trace_plugin.tracer import ActiveEpisode, Tracer
-from trace_plugin.trajectory import Feedback
 
 RESET, REWARD = "env_reset", "env_reward"
 CONTROL_TOOLS = [

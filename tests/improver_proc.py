@@ -25,11 +25,11 @@ from sqlalchemy.engine import Connection
 from transformers import TrainerCallback
 
 import training.executors
-from trace_plugin.deployments import Deployment
 from trace_plugin.environments.runner import EpisodeResult
-from trace_plugin.environments.spec import EnvSpec
 from trace_plugin.improver import Improver, ImproverConfig
 from trace_plugin.recorder import Recorder
+from trace_plugin.records.deployment import Deployment
+from trace_plugin.records.env_spec import EnvSpec
 from trace_plugin.store import Store
 from trace_plugin.store import tables as t
 from training.experts import ExpertTrainer

@@ -28,8 +28,8 @@ from trace_plugin.mining.detectors import DESCRIPTIONS
 from trace_plugin.mining.miner import mine_episodes
 from trace_plugin.mining.planted import corpus
 from trace_plugin.mining.selection import SelectionRule
+from trace_plugin.records.trajectory import Episode, Step, new_id
 from trace_plugin.store import Store
-from trace_plugin.trajectory import Episode, Step, new_id
 
 INVENTED = "#W9999999"  # the id the invents_ids policy writes to
 Messages = list[dict[str, str]]

@@ -18,9 +18,9 @@ from typing_extensions import TypedDict
 import trace_plugin
 from trace_plugin import Recorder
 from trace_plugin.payload import encode, to_jsonable
+from trace_plugin.records.trajectory import Step
 from trace_plugin.store.store import fit_string
 from trace_plugin.tracer import Tracer
-from trace_plugin.trajectory import Step
 
 
 class Loop(Mapping):

@@ -20,8 +20,8 @@ from fastapi.testclient import TestClient
 from trace_plugin import Store
 from trace_plugin.dashboard import create_dashboard
 from trace_plugin.gateway.server import RunningServer, start_in_thread
-from trace_plugin.mining.capability import Capability
-from trace_plugin.trajectory import Episode, EpisodeEnd, Feedback, Step, new_id
+from trace_plugin.records.capability import Capability
+from trace_plugin.records.trajectory import Episode, EpisodeEnd, Feedback, Step, new_id
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
 SCRIPT = "<script>window.__pwned = 1</script>"
@@ -256,7 +256,7 @@ def test_success_plot_draws_points_and_deployment_markers(client: TestClient, co
     assert "alpha · 2026-03-01 UTC · 1/2 = 50%" in html
     assert '<g class="marker">' not in html  # nothing deployed yet
 
-    from trace_plugin.deployments import Deployment
+    from trace_plugin.records.deployment import Deployment
 
     def at(day: str) -> datetime:
         return datetime.fromisoformat(f"{day}T00:00:00+00:00")

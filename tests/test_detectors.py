@@ -11,7 +11,7 @@ from trace_plugin.environments.retail import TOOLS, TRAIN_SEEDS, RetailEnv
 from trace_plugin.mining.detectors import Trajectory, guess_role, label_episode
 from trace_plugin.mining.planted import play
 from trace_plugin.mining.selection import Label
-from trace_plugin.trajectory import Episode, Step
+from trace_plugin.records.trajectory import Episode, Step
 
 L, P, NA = Label.LACKING, Label.PRESENT, Label.NA
 OFFERED = {t["function"]["name"] for t in TOOLS}

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from trace_plugin.environments.base import ToolCall
 from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.environments.retail import POLICY, TOOLS
-from trace_plugin.environments.spec import EnvSpec, SpecError, parse_spec
 from trace_plugin.environments.synthesis import FAMILIES, Observations, synthesize
 from trace_plugin.environments.validation import Band, adjust, calibrate, check_policies
-from trace_plugin.experts import Expert
+from trace_plugin.records.env_spec import EnvSpec, SpecError, parse_spec
+from trace_plugin.records.expert import Expert
 from trace_plugin.store import Store
 
 

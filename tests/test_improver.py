@@ -11,14 +11,14 @@ from datetime import timedelta
 
 import pytest
 
-from trace_plugin.deployments import Deployment
 from trace_plugin.environments.base import RewardBreakdown
 from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.improver import Improver, ImproverConfig, gate, router_spec
-from trace_plugin.jobs import Job
+from trace_plugin.records.deployment import Deployment
+from trace_plugin.records.job import Job
+from trace_plugin.records.trajectory import Episode, EpisodeEnd, new_id, utcnow
 from trace_plugin.store import Store
 from trace_plugin.store.lease import Lease, LeaseHeld
-from trace_plugin.trajectory import Episode, EpisodeEnd, new_id, utcnow
 
 HOLD = """
 import sys, time
@@ -160,9 +160,9 @@ async def test_a_learned_gate_is_fitted_on_practice_tasks_and_served_as_a_candid
     from trace_plugin.environments.retail import RetailEnv
     from trace_plugin.environments.runner import EpisodeResult
     from trace_plugin.environments.synthesis import synthesize
-    from trace_plugin.experts import Expert
     from trace_plugin.gateway.app import GatewayConfig, create_app
     from trace_plugin.gateway.server import start_in_thread
+    from trace_plugin.records.expert import Expert
     from training.lora import random_adapter
 
     store = Store(sqlite_url)

@@ -20,10 +20,10 @@ from sqlalchemy import event
 from sqlalchemy.engine import Connection
 from test_synthesis_flow import planted  # noqa: F401  (a fixture: a store with a mined deficit)
 
-from trace_plugin.deployments import Deployment
 from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.server import start_in_thread
-from trace_plugin.jobs import Job
+from trace_plugin.records.deployment import Deployment
+from trace_plugin.records.job import Job
 from trace_plugin.store import Store
 from training.experts import ExpertResult
 

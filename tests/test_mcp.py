@@ -26,7 +26,7 @@ from mcp_server.transport import http_app
 from trace_plugin import Recorder, Store
 from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
 from trace_plugin.gateway.server import free_port, start_in_thread
-from trace_plugin.trajectory import Episode
+from trace_plugin.records.trajectory import Episode
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow

@@ -25,7 +25,7 @@ import trace_plugin
 from integrations import otel
 from integrations.otel import episode_spans, export_episodes
 from trace_plugin import Recorder, Store
-from trace_plugin.trajectory import Episode, EpisodeEnd, Feedback, Step, new_id
+from trace_plugin.records.trajectory import Episode, EpisodeEnd, Feedback, Step, new_id
 
 CONTENT_KEYS = {otel.INPUT_MESSAGES, otel.OUTPUT_MESSAGES, otel.TOOL_ARGUMENTS, otel.TOOL_RESULT}
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)

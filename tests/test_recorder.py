@@ -13,7 +13,7 @@ from typing_extensions import TypedDict
 
 import trace_plugin
 from trace_plugin import Recorder, Store
-from trace_plugin.trajectory import Episode, EpisodeEnd, Step, new_id
+from trace_plugin.records.trajectory import Episode, EpisodeEnd, Step, new_id
 
 UNREACHABLE = "postgresql+psycopg://postgres@127.0.0.1:9/nowhere"
 

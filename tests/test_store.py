@@ -8,8 +8,8 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import func, insert, select
 
 from trace_plugin import Store
+from trace_plugin.records.trajectory import Episode, EpisodeEnd, Feedback, Step, new_id
 from trace_plugin.store import resolve_url, tables
-from trace_plugin.trajectory import Episode, EpisodeEnd, Feedback, Step, new_id
 
 TOOL = {"type": "function", "function": {"name": "get_order", "parameters": {"type": "object"}}}
 

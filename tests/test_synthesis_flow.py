@@ -16,11 +16,11 @@ from trace_plugin.environments.catalog import chat_player, env_factory, prepare_
 from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
 from trace_plugin.environments.runner import LangGraphAgent, Runner
-from trace_plugin.environments.spec import Check
 from trace_plugin.environments.validation import Band
 from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.server import start_in_thread
 from trace_plugin.mining.miner import OfflineMiner
+from trace_plugin.records.env_spec import Check
 
 COLUMNS = {"COLUMNS": "200"}
 

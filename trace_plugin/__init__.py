@@ -6,10 +6,11 @@ when a capture is applied, and the heavy ML stack only by training and serving.
 """
 
 from trace_plugin.capture import Capture, capture, current_episode_id
+from trace_plugin.errors import TracePluginError
 from trace_plugin.recorder import Recorder, configure, feedback, flush
+from trace_plugin.records.trajectory import Episode, EpisodeEnd, Feedback, Step
 from trace_plugin.store import Store
 from trace_plugin.tracer import Tracer
-from trace_plugin.trajectory import Episode, EpisodeEnd, Feedback, Step
 
 __all__ = [
     "Capture",
@@ -20,6 +21,7 @@ __all__ = [
     "Step",
     "Store",
     "Tracer",
+    "TracePluginError",
     "capture",
     "configure",
     "current_episode_id",

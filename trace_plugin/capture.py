@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from trace_plugin.recorder import Recorder
+from trace_plugin.records.trajectory import check_agent_name
 from trace_plugin.tracer import RewardFn, Tracer
-from trace_plugin.trajectory import check_agent_name
 
 
 class Capture:

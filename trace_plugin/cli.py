@@ -10,8 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from trace_plugin.records.trajectory import Episode
 from trace_plugin.store import DB_URL_ENV, Store, data_dir
-from trace_plugin.trajectory import Episode
 
 app = typer.Typer(
     help="Capture agent trajectories and improve agents from them (TRACE).", no_args_is_help=True

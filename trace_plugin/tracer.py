@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trace_plugin.recorder import PayloadPolicy, Recorder, default_recorder, install_term_handler
-from trace_plugin.trajectory import (
+from trace_plugin.records.trajectory import (
     Episode,
     EpisodeEnd,
     EpisodeStatus,

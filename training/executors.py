@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from trace_plugin.environments.interpreter import SpecEnv, worked_example
-from trace_plugin.environments.spec import EnvSpec
+from trace_plugin.records.env_spec import EnvSpec
 from training.experts import ExpertResult, ExpertTrainer, ExpertTrainingConfig
 
 

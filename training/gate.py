@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from trace_plugin.environments.interpreter import SpecEnv
-from trace_plugin.environments.spec import EnvSpec
 from trace_plugin.gateway.routing import gate_input
+from trace_plugin.records.env_spec import EnvSpec
 
 
 @dataclass

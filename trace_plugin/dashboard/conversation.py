@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trace_plugin.chat_template import arguments_object, content_text
-from trace_plugin.trajectory import Episode
+from trace_plugin.records.trajectory import Episode
 
 
 def pretty(value: Any) -> str:

@@ -25,8 +25,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection
 
+from trace_plugin.records.trajectory import EpisodeStatus
 from trace_plugin.store import tables as t
-from trace_plugin.trajectory import EpisodeStatus
 
 Outcome = Literal["success", "failure", "unknown"]
 Bucket = Literal["hour", "day"]

@@ -15,7 +15,6 @@ from trace_plugin.environments.base import Environment
 from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.environments.proposals import Complete, propose
 from trace_plugin.environments.retail import RetailEnv
-from trace_plugin.environments.spec import EnvSpec, SpecRecord
 from trace_plugin.environments.synthesis import Target, synthesize
 from trace_plugin.environments.validation import (
     CALIBRATION_SEEDS,
@@ -25,13 +24,15 @@ from trace_plugin.environments.validation import (
     calibrate,
     check_policies,
 )
-from trace_plugin.mining.capability import Capability
+from trace_plugin.errors import TracePluginError
+from trace_plugin.records.capability import Capability
+from trace_plugin.records.env_spec import EnvSpec, SpecRecord
 from trace_plugin.store import Store
 
 BUNDLED: dict[str, Callable[[], Environment]] = {"retail": RetailEnv}
 
 
-class UnknownEnvironment(LookupError):
+class UnknownEnvironment(TracePluginError, LookupError):
     pass
 
 
@@ -51,7 +52,7 @@ def env_factory(
 def chat_player(base_url: str, model: str, *, agent: str, temperature: float = 1.0, **options: Any) -> Play:
     """Plays calibration episodes through an OpenAI-compatible endpoint (our gateway, vLLM)."""
     from trace_plugin.environments.runner import ChatLoopAgent
-    from trace_plugin.trajectory import new_id
+    from trace_plugin.records.trajectory import new_id
 
     examples = list(options.pop("examples", ()))
 

@@ -19,7 +19,8 @@ import re
 from typing import Any
 
 from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall, argument_problem
-from trace_plugin.environments.spec import PLACEHOLDER, Check, Column, EnvSpec, TaskTemplate, ToolSpec
+from trace_plugin.errors import TracePluginError
+from trace_plugin.records.env_spec import PLACEHOLDER, Check, Column, EnvSpec, TaskTemplate, ToolSpec
 
 Rows = dict[str, dict[str, dict[str, Any]]]  # table -> key -> row
 
@@ -32,7 +33,7 @@ _DIGITS = re.compile(r"\{d(\d{1,2})\}")
 GATED = frozenset({"forbidden", "final_state", "order", "facts"})
 
 
-class ToolError(Exception):
+class ToolError(TracePluginError):
     pass
 
 

@@ -25,8 +25,8 @@ from rich.table import Table
 
 from trace_plugin.environments.base import Environment, RewardBreakdown, Task, ToolCall, observation_error
 from trace_plugin.recorder import Recorder, default_recorder
+from trace_plugin.records.trajectory import Feedback, new_id
 from trace_plugin.tracer import Tracer
-from trace_plugin.trajectory import Feedback, new_id
 
 
 @dataclass(slots=True)

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trace_plugin.chat_template import arguments_object, content_text
-from trace_plugin.environments.spec import (
+from trace_plugin.mining.detectors import guess_role
+from trace_plugin.records.env_spec import (
     Action,
     Check,
     Column,
@@ -34,7 +35,6 @@ from trace_plugin.environments.spec import (
     ToolSpec,
     check_spec,
 )
-from trace_plugin.mining.detectors import guess_role
 from trace_plugin.store import Store
 
 STATUSES = ["pending", "active", "closed"]  # used when no status values were observed

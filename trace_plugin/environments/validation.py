@@ -21,7 +21,7 @@ from typing import Any
 
 from trace_plugin.environments.base import ToolCall
 from trace_plugin.environments.interpreter import SpecEnv
-from trace_plugin.environments.spec import EnvSpec
+from trace_plugin.records.env_spec import EnvSpec
 
 VALIDATION_SEEDS = range(1_000_000, 1_000_100)  # disjoint from training and calibration seeds
 CALIBRATION_SEEDS = range(2_000_000, 2_000_100)

@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trace_plugin.errors import TracePluginError
 from trace_plugin.gateway.backend import Backend, BackendError, SamplingParams
 
 log = logging.getLogger("trace_plugin.gateway")
 
 
-class AdapterError(ValueError):
+class AdapterError(TracePluginError, ValueError):
     """A request about adapters that cannot be honoured; carries an HTTP status."""
 
     def __init__(self, message: str, status: int = 400) -> None:

@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trace_plugin.chat_template import REPLY_FORBIDDEN
 from trace_plugin.conversations import ConversationEpisodes, ModelCall, fingerprint
+from trace_plugin.errors import TracePluginError
 from trace_plugin.gateway.adapters import AdapterError, AdapterRegistry
 from trace_plugin.gateway.backend import Backend, BackendError, Completion, SamplingParams
 from trace_plugin.gateway.protocol import (
@@ -48,9 +49,9 @@ from trace_plugin.gateway.routing import (
     router_version,
 )
 from trace_plugin.recorder import Recorder
+from trace_plugin.records.trajectory import check_agent_name, utcnow
 from trace_plugin.tool_calls import parse_completion
 from trace_plugin.tracer import Tracer
-from trace_plugin.trajectory import check_agent_name, utcnow
 
 EPISODE_HEADER = "X-Trace-Episode"
 AGENT_HEADER = "X-Trace-Agent"
@@ -58,7 +59,7 @@ ADAPTER_HEADER = "X-Trace-Adapter"
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
-class GatewayError(Exception):
+class GatewayError(TracePluginError):
     def __init__(
         self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None
     ):

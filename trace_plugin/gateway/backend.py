@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
+from trace_plugin.errors import TracePluginError
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -36,7 +38,7 @@ class Completion:
     top_logprobs: list[dict[str, float]] | None = None  # per position: token text -> logprob
 
 
-class BackendError(RuntimeError):
+class BackendError(TracePluginError, RuntimeError):
     """The model server failed or refused; carries an HTTP-like status for the gateway."""
 
     def __init__(self, message: str, status: int = 500) -> None:

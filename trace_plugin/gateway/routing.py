@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from trace_plugin.chat_template import content_text
+from trace_plugin.errors import TracePluginError
 from trace_plugin.gateway.backend import Backend, SamplingParams
 
 
@@ -39,7 +40,7 @@ class Router(Protocol):
     ) -> str | None: ...
 
 
-class RouterSpecError(ValueError):
+class RouterSpecError(TracePluginError, ValueError):
     pass
 
 

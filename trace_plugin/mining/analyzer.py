@@ -34,12 +34,12 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from trace_plugin.mining.capability import Capability
 from trace_plugin.mining.detectors import Trajectory
 from trace_plugin.mining.miner import MAX_EXAMPLES, _metrics, involved, outcome
 from trace_plugin.mining.selection import DEFAULT_RULE, Label, Run, SelectionRule, select
+from trace_plugin.records.capability import Capability
+from trace_plugin.records.trajectory import Episode, new_id
 from trace_plugin.store import Store
-from trace_plugin.trajectory import Episode, new_id
 
 log = logging.getLogger(__name__)
 

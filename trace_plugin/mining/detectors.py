@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from trace_plugin.chat_template import arguments_object, content_text
 from trace_plugin.mining.selection import Label
-from trace_plugin.trajectory import Episode
+from trace_plugin.records.trajectory import Episode
 
 Role = Literal["read", "write", "other"]
 

@@ -10,7 +10,6 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from trace_plugin.mining.capability import Capability
 from trace_plugin.mining.detectors import DESCRIPTIONS, Call, Role, Trajectory, label_episode
 from trace_plugin.mining.selection import (
     DEFAULT_RULE,
@@ -20,8 +19,9 @@ from trace_plugin.mining.selection import (
     bootstrap_runs,
     select,
 )
+from trace_plugin.records.capability import Capability
+from trace_plugin.records.trajectory import Episode, new_id
 from trace_plugin.store import Store
-from trace_plugin.trajectory import Episode, new_id
 
 MAX_EXAMPLES = 5
 

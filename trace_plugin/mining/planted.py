@@ -15,7 +15,7 @@ from typing import Any
 
 from trace_plugin.environments import Task, ToolCall
 from trace_plugin.environments.retail import TOOLS, RetailEnv
-from trace_plugin.trajectory import Episode, Step, new_id
+from trace_plugin.records.trajectory import Episode, Step, new_id
 
 REFUSALS = ("refuse_cancel", "refuse_return")
 Plan = tuple[list[dict[str, Any]], list[str], str]  # calls, broken assistant texts, final answer

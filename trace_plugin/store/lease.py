@@ -19,12 +19,13 @@ from typing import Any
 
 from sqlalchemy import or_, select, text
 
+from trace_plugin.errors import TracePluginError
+from trace_plugin.records.trajectory import new_id, utcnow
 from trace_plugin.store import tables as t
 from trace_plugin.store.store import Store
-from trace_plugin.trajectory import new_id, utcnow
 
 
-class LeaseHeld(RuntimeError):
+class LeaseHeld(TracePluginError, RuntimeError):
     """Someone else holds the lease."""
 
 

@@ -19,14 +19,14 @@ from sqlalchemy import Engine, bindparam, case, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from trace_plugin.deployments import Deployment
-from trace_plugin.environments.spec import EnvSpec, SpecRecord
-from trace_plugin.experts import Expert
-from trace_plugin.jobs import Job
-from trace_plugin.mining.capability import Capability
+from trace_plugin.records.capability import Capability
+from trace_plugin.records.deployment import Deployment
+from trace_plugin.records.env_spec import EnvSpec, SpecRecord
+from trace_plugin.records.expert import Expert
+from trace_plugin.records.job import Job
+from trace_plugin.records.trajectory import Episode, EpisodeEnd, Feedback, Step, utcnow
 from trace_plugin.store import tables as t
 from trace_plugin.store.engine import json_for_store, make_engine, resolve_url
-from trace_plugin.trajectory import Episode, EpisodeEnd, Feedback, Step, utcnow
 
 Record = Episode | Step | EpisodeEnd | Feedback
 _R = TypeVar("_R", Episode, Step, Feedback, Capability, Expert, Job, Deployment)
@@ -106,7 +106,7 @@ class Store:
 
     ``write`` takes capture records in the order they happened and stores them in one
     transaction; the recorder calls it from its background thread. Queries return the
-    dataclasses of :mod:`trace_plugin.trajectory`.
+    dataclasses of :mod:`trace_plugin.records.trajectory`.
     """
 
     def __init__(self, url: str | None = None, *, engine: Engine | None = None) -> None:

@@ -26,7 +26,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-from trace_plugin.trajectory import AGENT_NAME_LENGTH
+from trace_plugin.records.trajectory import AGENT_NAME_LENGTH
 
 metadata = MetaData()
 

@@ -29,7 +29,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from trace_plugin.trajectory import utcnow
+from trace_plugin.errors import TracePluginError
+from trace_plugin.records.trajectory import utcnow
 
 FORMAT_VERSION = 1
 
@@ -46,7 +47,7 @@ Behaviour = Literal["lookup", "list", "update", "create", "terminate", "compute"
 CheckKind = Literal["valid_calls", "required_calls", "order", "forbidden", "final_state", "facts"]
 
 
-class SpecError(ValueError):
+class SpecError(TracePluginError, ValueError):
     """A spec the interpreter will not run, and why."""
 
 

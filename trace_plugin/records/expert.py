@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-from trace_plugin.trajectory import new_id, utcnow
+from trace_plugin.records.trajectory import new_id, utcnow
 
 ExpertStatus = Literal["training", "ready", "failed"]
 

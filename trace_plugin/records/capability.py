@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from trace_plugin.trajectory import utcnow
+from trace_plugin.records.trajectory import utcnow
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-from trace_plugin.trajectory import utcnow
+from trace_plugin.records.trajectory import utcnow
 
 JobStatus = Literal["running", "done", "failed"]
 
