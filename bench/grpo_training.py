@@ -49,7 +49,8 @@ def run(which: str, steps: int) -> dict:
 
     from trace_plugin.environments.base import RewardBreakdown
     from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
-    from training.experts import ExpertTrainer, ExpertTrainingConfig
+    from training.config import ExpertTrainingConfig
+    from training.experts import ExpertTrainer
 
     class Scored(RetailEnv):
         def reward(self, answer: str = "") -> RewardBreakdown:

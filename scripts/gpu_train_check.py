@@ -14,7 +14,8 @@ import time
 from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.environments.retail import POLICY, TOOLS
 from trace_plugin.environments.synthesis import synthesize
-from training.experts import ExpertTrainer, ExpertTrainingConfig
+from training.config import ExpertTrainingConfig
+from training.experts import ExpertTrainer
 
 
 def main() -> None:

@@ -6,8 +6,9 @@ import pytest
 
 from trace_plugin.environments.retail import POLICY, TOOLS
 from trace_plugin.environments.synthesis import synthesize
+from training.config import ExpertTrainingConfig
 from training.executors import LocalExecutor, RayExecutor, TrainingJob
-from training.experts import ExpertTrainingConfig, file_sha256
+from training.experts import file_sha256
 
 pytestmark = pytest.mark.slow
 

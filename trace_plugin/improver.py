@@ -453,7 +453,7 @@ class Improver:
 
     def training_config(self, **overrides: Any) -> Any:
         """The ExpertTrainingConfig it trains with: the preset, config overrides, then ``overrides``."""
-        from training.experts import ExpertTrainingConfig
+        from training.config import ExpertTrainingConfig
 
         return ExpertTrainingConfig.preset(self.config.preset, **{**self.config.training, **overrides})
 

@@ -14,7 +14,8 @@ from typing import Any, Protocol
 
 from trace_plugin.environments.interpreter import SpecEnv, worked_example
 from trace_plugin.records.env_spec import EnvSpec
-from training.experts import ExpertResult, ExpertTrainer, ExpertTrainingConfig
+from training.config import ExpertTrainingConfig
+from training.experts import ExpertResult, ExpertTrainer
 
 
 @dataclass(frozen=True)

@@ -49,18 +49,19 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import GenerationConfig, PrinterCallback, TrainerCallback
 
-from trace_plugin.chat_template import REPLY_FORBIDDEN, TOOL_CHAT_TEMPLATE, forbidden_token_ids, render
+from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE, forbidden_token_ids, render
 from trace_plugin.environments.base import Environment, Task, ToolCall
 from trace_plugin.gateway.prefix_cache import common_length, continuation_batch
 from trace_plugin.model_files import load_model, resolve_model
 from trace_plugin.tool_calls import parse_completion
+from training.config import ExpertTrainingConfig
 from training.lora import ADAPTER_WEIGHTS
 
 # Text appended to the ticket, or worked example turns placed just before it (a small
@@ -72,153 +73,6 @@ Hint = HintValue | Callable[[Task], HintValue | None]
 Generate = Callable[[list[list[int]]], list[list[int]]]
 
 RESULT_FILE = "expert.json"
-
-
-@dataclass(frozen=True)
-class ExpertTrainingConfig:
-    """Everything that decides what an expert learns and what a run costs.
-
-    The defaults are the ``cpu-small`` preset: SmolLM2-135M on a few CPU cores.
-    """
-
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    # "all-linear" is every linear layer but the LM head (TRL cannot train a LoRA on it).
-    lora_target_modules: str | tuple[str, ...] = "all-linear"
-    learning_rate: float = 3e-4
-    num_generations: int = 4  # the GRPO group size: rollouts per task, compared with each other
-    groups_per_step: int = 1  # distinct tasks per optimizer step
-    rollout_budget: int = 200  # total rollouts; fixes the number of steps
-    max_completion_length: int = 64  # tokens the model may generate in one turn
-    max_turns: int = 6  # model turns per episode; the episode ends at the first turn without tool calls
-    # Tool results are cut to this many characters: prompt tokens dominate CPU cost.
-    max_observation_chars: int = 800
-    temperature: float = 1.0
-    hint_fraction: float = 0.25  # share of rollouts generated with the hint (when a hint is given)
-    resample_rounds: int = 1  # replays of zero-signal groups on fresh seeds, per step
-    checkpoint_every: int = 10  # steps between checkpoints a re-run resumes from
-    seed: int = 0
-    output_dir: str = "experts/expert"  # the final adapter directory
-    backend: Literal["transformers", "vllm"] = "transformers"  # who generates the rollouts
-    bf16: bool = False
-    gradient_checkpointing: bool = False
-    # A group's rollouts share their prompt: generation runs the batch's common opening once
-    # (``hf_generate``) and the loss pass each distinct prompt once (``shared_prefix_logps``).
-    # Both need the key/value cache, which gradient checkpointing turns off.
-    share_prompt: bool = True
-    vllm_gpu_memory_utilization: float = 0.3  # colocated vLLM's share of GPU memory
-
-    def __post_init__(self) -> None:
-        if self.num_generations < 2:
-            raise ValueError("num_generations must be at least 2: GRPO compares rollouts within a group")
-        if self.steps < 1:
-            raise ValueError(
-                f"rollout_budget {self.rollout_budget} is less than one step of "
-                f"{self.num_generations * self.groups_per_step} rollouts"
-            )
-        if not 0.0 <= self.hint_fraction <= 1.0:
-            raise ValueError("hint_fraction must be in [0, 1]")
-        if self.share_prompt and self.gradient_checkpointing:
-            raise ValueError("share_prompt needs the key/value cache, which gradient checkpointing disables")
-
-    @classmethod
-    def preset(cls, name: str, **overrides: Any) -> ExpertTrainingConfig:
-        """``cpu-small`` (the embedded SmolLM2 on this CPU) or ``gpu`` (vLLM colocated generation)."""
-        presets: dict[str, dict[str, Any]] = {
-            "cpu-small": {},
-            "gpu": {
-                "lora_rank": 16,
-                "lora_alpha": 32,
-                "learning_rate": 1e-4,
-                "num_generations": 8,
-                "groups_per_step": 8,
-                "rollout_budget": 64 * 200,
-                "max_completion_length": 256,
-                "max_turns": 10,
-                "max_observation_chars": 4000,
-                "checkpoint_every": 25,
-                "backend": "vllm",
-                "bf16": True,
-                "gradient_checkpointing": True,
-                "share_prompt": False,
-            },
-        }
-        if name not in presets:
-            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(presets)}")
-        return cls(**{**presets[name], **overrides})
-
-    @property
-    def steps(self) -> int:
-        return self.rollout_budget // (self.num_generations * self.groups_per_step)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        if isinstance(data["lora_target_modules"], tuple):
-            data["lora_target_modules"] = list(data["lora_target_modules"])
-        return data
-
-    def lora_config(self) -> Any:
-        from peft import LoraConfig
-
-        targets = self.lora_target_modules
-        return LoraConfig(
-            r=self.lora_rank,
-            lora_alpha=self.lora_alpha,
-            target_modules=targets if isinstance(targets, str) else list(targets),
-            lora_dropout=0.0,  # generation and loss then see the same network
-            task_type="CAUSAL_LM",
-        )
-
-    def grpo_config(self, work_dir: Path) -> Any:
-        """TRL's ``GRPOConfig`` (which checks the hardware: a bf16 preset builds only where bf16 runs)."""
-        from trl import GRPOConfig
-
-        return GRPOConfig(**self.grpo_kwargs(work_dir))
-
-    def grpo_kwargs(self, work_dir: Path) -> dict[str, Any]:
-        """TRL's settings: one group per micro-batch, one generation round per optimizer step.
-
-        beta=0 needs no reference model (one forward pass less per step); ``dapo`` token
-        normalization and per-group reward scaling are TRL's defaults. With
-        ``steps_per_generation`` equal to the accumulation steps the rollouts are on-policy,
-        so TRL skips the old-log-prob pass.
-        """
-        vllm = self.backend == "vllm"
-        return dict(
-            output_dir=str(work_dir),
-            max_steps=self.steps,
-            per_device_train_batch_size=self.num_generations,
-            gradient_accumulation_steps=self.groups_per_step,
-            num_generations=self.num_generations,
-            max_completion_length=self.max_completion_length,
-            temperature=self.temperature,
-            top_p=1.0,
-            top_k=0,
-            learning_rate=self.learning_rate,
-            lr_scheduler_type="constant",
-            beta=0.0,
-            num_iterations=1,
-            loss_type="dapo",
-            scale_rewards="group",
-            bf16=self.bf16,
-            use_cpu=not torch.cuda.is_available(),  # also what lets bf16 autocast run on a CPU
-            activation_checkpointing=self.gradient_checkpointing,
-            seed=self.seed,
-            logging_steps=1,
-            save_strategy="steps",
-            save_steps=self.checkpoint_every,
-            save_total_limit=2,
-            report_to="none",
-            disable_tqdm=True,  # our own progress bar shows the reward
-            remove_unused_columns=False,
-            log_completions=False,
-            use_vllm=vllm,
-            vllm_mode="colocate",
-            vllm_gpu_memory_utilization=self.vllm_gpu_memory_utilization,
-            generation_kwargs={"bad_words": list(REPLY_FORBIDDEN)} if vllm else None,
-            # Our rollouts return no sampling log-probs (hinted ones were sampled under another prompt).
-            vllm_importance_sampling_correction=False,
-        )
 
 
 # -- episodes -------------------------------------------------------------------------------------
