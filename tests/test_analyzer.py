@@ -24,7 +24,7 @@ from trace_plugin.mining.analyzer import (
     analyze_episodes,
     render_episode,
 )
-from trace_plugin.mining.detectors import DESCRIPTIONS
+from trace_plugin.mining.kinds import KINDS
 from trace_plugin.mining.miner import mine_episodes
 from trace_plugin.mining.planted import corpus
 from trace_plugin.mining.selection import SelectionRule
@@ -349,12 +349,13 @@ def test_fenced_json_and_given_candidates_need_no_discovery():
         labels = {a: dict.fromkeys(names, "LACKING") for a in blocks(messages[1]["content"])}
         return "Here you go:\n```json\n" + json.dumps(labels) + "\n```"
 
-    candidates = [Candidate(n, DESCRIPTIONS[n]) for n in names]
+    candidates = [Candidate(n, KINDS[n].description) for n in names]
     script = Script(fenced)
     analysis = analyze_episodes(episodes, script, runs=3, candidates=candidates)
     assert analysis.stats.invalid == 0 and analysis.stats.requests == 3 == len(script.calls)
     system = script.calls[0][0]["content"]
-    assert DESCRIPTIONS["termination"] in system and DESCRIPTIONS["precondition_verification"] not in system
+    assert KINDS["termination"].description in system
+    assert KINDS["precondition_verification"].description not in system
     assert [c.name for c in analysis.capabilities] == ["argument_grounding", "termination"]
 
 
@@ -457,7 +458,7 @@ def test_a_real_model_run_through_the_gateway_completes_and_its_counts_add_up(em
             runs=2,
             retries=0,
             concurrency=2,
-            candidates=[Candidate(n, DESCRIPTIONS[n]) for n in ("argument_grounding", "termination")],
+            candidates=[Candidate(n, KINDS[n].description) for n in ("argument_grounding", "termination")],
         )
     for analysis in (found, labeled):
         print(analysis.stats, [(c.name, c.selected, c.metrics["runs"]) for c in analysis.capabilities])

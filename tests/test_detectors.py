@@ -8,7 +8,8 @@ import pytest
 
 from trace_plugin.environments import ToolCall
 from trace_plugin.environments.retail import TOOLS, TRAIN_SEEDS, RetailEnv
-from trace_plugin.mining.detectors import Trajectory, guess_role, label_episode
+from trace_plugin.mining.detectors import Trajectory, guess_role
+from trace_plugin.mining.kinds import label_episode
 from trace_plugin.mining.planted import play
 from trace_plugin.mining.selection import Label
 from trace_plugin.records.trajectory import Episode, Step
@@ -207,9 +208,9 @@ def test_few_shot_examples_are_context_not_behaviour():
 
 
 def test_every_detector_has_a_description():
-    from trace_plugin.mining.detectors import DESCRIPTIONS, DETECTORS
+    from trace_plugin.mining.kinds import KINDS
 
-    assert DESCRIPTIONS.keys() == DETECTORS.keys()
+    assert all(callable(kind.detect) and kind.description for kind in KINDS.values())
 
 
 def test_a_model_called_inside_a_tool_is_not_the_agent():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import get_args
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,6 +14,7 @@ from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.environments.retail import POLICY, TOOLS
 from trace_plugin.environments.synthesis import FAMILIES, Observations, synthesize
 from trace_plugin.environments.validation import Band, adjust, calibrate, check_policies
+from trace_plugin.mining.kinds import KINDS, FamilyName
 from trace_plugin.records.env_spec import EnvSpec, SpecError, parse_spec
 from trace_plugin.records.expert import Expert
 from trace_plugin.store import Store
@@ -26,7 +28,11 @@ def _play_reference(env: SpecEnv, seed: int) -> tuple[str, float]:
     return task.prompt, env.reward(answer).total
 
 
-@pytest.mark.parametrize("capability", sorted(FAMILIES))
+def test_every_kind_names_a_synthesis_family():
+    assert {kind.family for kind in KINDS.values()} <= FAMILIES.keys() == set(get_args(FamilyName))
+
+
+@pytest.mark.parametrize("capability", sorted(KINDS))
 def test_every_family_keeps_the_targets_schemas_and_passes_validation(capability):
     spec = synthesize(capability, TOOLS, system_prompt=POLICY)
     by_name = {t["function"]["name"]: t for t in TOOLS}

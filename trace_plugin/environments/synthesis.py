@@ -24,6 +24,7 @@ from typing import Any
 
 from trace_plugin.chat_template import arguments_object, content_text
 from trace_plugin.mining.detectors import guess_role
+from trace_plugin.mining.kinds import KINDS, FamilyName
 from trace_plugin.records.env_spec import (
     Action,
     Check,
@@ -180,7 +181,8 @@ def synthesize(
 ) -> EnvSpec:
     """An environment aimed at ``capability`` that keeps the target's tool schemas."""
     interface = Interface(tools, observations or Observations())
-    family = FAMILIES.get(capability, _lookups)
+    kind = KINDS.get(capability)
+    family = FAMILIES[kind.family] if kind is not None else _lookups
     tasks, checks, needed = family(interface)
     if not tasks:
         raise SpecError(f"the target's tools offer nothing to exercise {capability!r} with")
@@ -207,7 +209,8 @@ def worked_hint(spec: EnvSpec) -> str:
         worked_example,
     )  # the interpreter imports this module's peers
 
-    guidance = HINTS.get(spec.capability, "")
+    kind = KINDS.get(spec.capability)
+    guidance = kind.hint if kind is not None else ""
     example = worked_example(spec)
     if not example:
         return guidance
@@ -265,7 +268,7 @@ def _context(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # -- template families ------------------------------------------------------------------
 
-# capability kind -> (templates, checks, the tools they need)
+# an interface -> (templates, checks, the tools they need)
 Family = Callable[[Interface], tuple[list[TaskTemplate], list[Check], list[str]]]
 
 
@@ -412,28 +415,14 @@ def _facts(interface: Interface) -> tuple[list[TaskTemplate], list[Check], list[
     return tasks, [Check(kind="facts", weight=2), Check(kind="required_calls")], needed
 
 
-FAMILIES: dict[str, Family] = {
-    "tool_call_format": _lookups,
-    "tool_selection": _lookups,
-    "termination": _lookups,
-    "communicating_facts": _facts,
-    "argument_grounding": _grounding,
-    "precondition_verification": _preconditions,
-    "policy_refusal": _refusals,
-    "multi_step_completion": _completion,
-    "error_recovery": _preconditions,
-}
-
-HINTS: dict[str, str] = {
-    "tool_call_format": 'Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call> only.',
-    "tool_selection": "Pick the tool whose name matches what you need to know.",
-    "termination": "After the tool answers, reply to the user in one sentence.",
-    "communicating_facts": "Repeat the exact values the tool returned in your reply.",
-    "argument_grounding": "Copy ids exactly from the search result into the next call.",
-    "precondition_verification": "Look the record up and check its status before changing it.",
-    "policy_refusal": "If the status does not allow the change, do not make it; say why.",
-    "multi_step_completion": "Look the record up, then make the requested change.",
-    "error_recovery": "If a tool returns an error, fix the call instead of repeating it.",
+# family name -> its templates; each capability kind names its family in trace_plugin.mining.kinds
+FAMILIES: dict[FamilyName, Family] = {
+    "lookups": _lookups,
+    "facts": _facts,
+    "grounding": _grounding,
+    "preconditions": _preconditions,
+    "refusals": _refusals,
+    "completion": _completion,
 }
 
 

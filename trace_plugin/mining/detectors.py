@@ -14,6 +14,8 @@ overrides the guess. What they look for:
 - policy_refusal: a forbidden action is not attempted; the user is told why;
 - communicating_facts: the final message reports what the tools returned;
 - termination: the episode ends with a message to the user, without looping.
+
+Each is bound to its kind, with the kind's description, in :mod:`trace_plugin.mining.kinds`.
 """
 
 from __future__ import annotations
@@ -309,33 +311,3 @@ def termination(t: Trajectory, roles: Mapping[str, Role]) -> Label:
     )
     ended = bool(t.final_answer) and not _MARKUP.search(t.final_answer)  # markup is not a message
     return Label.PRESENT if ended and not looping else Label.LACKING
-
-
-DETECTORS: dict[str, Detector] = {
-    "tool_call_format": tool_call_format,
-    "tool_selection": tool_selection,
-    "argument_grounding": argument_grounding,
-    "precondition_verification": precondition_verification,
-    "multi_step_completion": multi_step_completion,
-    "error_recovery": error_recovery,
-    "policy_refusal": policy_refusal,
-    "communicating_facts": communicating_facts,
-    "termination": termination,
-}
-
-
-DESCRIPTIONS: dict[str, str] = {
-    "tool_call_format": "Emits tool calls in the expected format, with arguments that parse and fit.",
-    "tool_selection": "Calls tools that exist and fit the request.",
-    "argument_grounding": "Copies ids into arguments from the user's message or earlier tool results.",
-    "precondition_verification": "Reads an entity's state before changing it.",
-    "multi_step_completion": "Carries a request through to the action it needs, or says why not.",
-    "error_recovery": "After a tool error, changes the call instead of repeating it or giving up.",
-    "policy_refusal": "Does not attempt what the policy forbids, and tells the user why.",
-    "communicating_facts": "Tells the user the facts the tools returned.",
-    "termination": "Ends with a message to the user, without looping.",
-}
-
-
-def label_episode(t: Trajectory, roles: Mapping[str, Role] | None = None) -> dict[str, Label]:
-    return {name: detect(t, roles or {}) for name, detect in DETECTORS.items()}

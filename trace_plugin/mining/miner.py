@@ -10,7 +10,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from trace_plugin.mining.detectors import DESCRIPTIONS, Call, Role, Trajectory, label_episode
+from trace_plugin.mining.detectors import Call, Role, Trajectory
+from trace_plugin.mining.kinds import KINDS, label_episode
 from trace_plugin.mining.selection import (
     DEFAULT_RULE,
     Label,
@@ -61,7 +62,7 @@ def mine_episodes(
     success = [bool(outcome(e)) for e in episodes]
     trajectories = [Trajectory.from_episode(e) for e in episodes]
     per_episode = [label_episode(t, roles) for t in trajectories]
-    labels = {name: [labels[name] for labels in per_episode] for name in DESCRIPTIONS}
+    labels = {name: [labels[name] for labels in per_episode] for name in KINDS}
     run = new_id()
     capabilities = []
     for selection in select(bootstrap_runs(labels, success, rule.n, seed=seed), rule):
@@ -72,7 +73,7 @@ def mine_episodes(
         capabilities.append(
             Capability(
                 name=selection.capability,
-                description=DESCRIPTIONS[selection.capability],
+                description=KINDS[selection.capability].description,
                 source="detector",
                 selected=selection.selected,
                 metrics=_metrics(selection, rule),

@@ -15,6 +15,7 @@ from typing import Any
 
 from trace_plugin.environments import Task, ToolCall
 from trace_plugin.environments.retail import TOOLS, RetailEnv
+from trace_plugin.mining.kinds import KINDS
 from trace_plugin.records.trajectory import Episode, Step, new_id
 
 REFUSALS = ("refuse_cancel", "refuse_return")
@@ -78,11 +79,11 @@ POLICIES: dict[str, Callable[[Task, RetailEnv], Plan]] = {
 # The capability each deficient policy lacks; the others lack none. Policy refusal is not
 # planted: the retail environment refuses forbidden writes itself, leaving the state, and
 # so the grade, unchanged, and an agent that ignores the policy still succeeds.
-PLANTED = {
-    "invents_ids": "argument_grounding",
-    "stops_early": "multi_step_completion",
-    "withholds_facts": "communicating_facts",
-    "broken_format": "tool_call_format",
+PLANTED: dict[str, str] = {
+    "invents_ids": KINDS["argument_grounding"].name,
+    "stops_early": KINDS["multi_step_completion"].name,
+    "withholds_facts": KINDS["communicating_facts"].name,
+    "broken_format": KINDS["tool_call_format"].name,
 }
 
 
