@@ -30,7 +30,7 @@ from trace_plugin.environments.base import Environment
 from trace_plugin.environments.catalog import chat_player, env_factory, prepare_environment
 from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.environments.runner import ChatLoopAgent, EpisodeResult, Runner
-from trace_plugin.environments.synthesis import Target
+from trace_plugin.environments.synthesis import CapturedInterface as Target
 from trace_plugin.environments.validation import Band
 from trace_plugin.gateway.adapters import split_name
 from trace_plugin.mining.miner import OfflineMiner, outcome

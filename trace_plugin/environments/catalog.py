@@ -15,7 +15,7 @@ from trace_plugin.environments.base import Environment
 from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.environments.proposals import Complete, propose
 from trace_plugin.environments.retail import RetailEnv
-from trace_plugin.environments.synthesis import Target, synthesize
+from trace_plugin.environments.synthesis import CapturedInterface, synthesize
 from trace_plugin.environments.validation import (
     CALIBRATION_SEEDS,
     DEFAULT_BAND,
@@ -94,17 +94,17 @@ async def prepare_environment(
     With ``propose_with`` an LLM may improve the offline spec; its proposal is used only
     if it validates, and the report says what happened to it.
     """
-    target = Target.from_store(store, agent)
+    captured = CapturedInterface.from_store(store, agent)
     spec: EnvSpec = synthesize(
         capability.name,
-        target.tools,
-        system_prompt=target.system_prompt,
-        observations=target.observations,
+        captured.tools,
+        system_prompt=captured.system_prompt,
+        observations=captured.observations,
         description=capability.description,
     )
     proposal = None
     if propose_with is not None:
-        proposal = propose(spec, capability.description, propose_with, tools=target.tools)
+        proposal = propose(spec, capability.description, propose_with, tools=captured.tools)
         spec = proposal.spec or spec
     policies = check_policies(spec)
     report: dict[str, Any] = {

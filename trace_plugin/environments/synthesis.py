@@ -223,9 +223,10 @@ def worked_hint(spec: EnvSpec) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class Target:
-    """What production traffic shows of the target: its tools, system prompt, values, and
-    the few-shot examples the agent puts before every request (experts train behind them)."""
+class CapturedInterface:
+    """The agent's interface as its captured production traffic shows it: its tools, system
+    prompt, observed values, and the few-shot examples it puts before every request
+    (experts train behind them). What :func:`synthesize` builds an environment from."""
 
     tools: list[dict[str, Any]]
     system_prompt: str
@@ -233,7 +234,7 @@ class Target:
     examples: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def from_store(cls, store: Store, agent: str, *, limit: int = 500) -> Target:
+    def from_store(cls, store: Store, agent: str, *, limit: int = 500) -> CapturedInterface:
         episodes = store.load_episodes(agent, limit=limit)
         conversations = [
             s.input["messages"]
