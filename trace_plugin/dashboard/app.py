@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from trace_plugin.dashboard import queries as q
 from trace_plugin.dashboard.conversation import conversation, pretty
 from trace_plugin.dashboard.plot import build_plot
+from trace_plugin.records.outcome import outcome_of
 from trace_plugin.store import Store
 
 PAGE_SIZE = 50
@@ -181,7 +182,7 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
             "episode.html",
             nav="episodes",
             episode=found,
-            outcome=q.outcome_of(found.label, found.reward),
+            outcome=outcome_of(found.label, found.reward),
             messages=conversation(found),
             feedback=store.feedback_for(episode_id),
         )

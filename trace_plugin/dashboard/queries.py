@@ -11,49 +11,28 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, get_args
 
-from sqlalchemy import (
-    ColumnElement,
-    Engine,
-    MetaData,
-    Table,
-    and_,
-    case,
-    func,
-    inspect,
-    or_,
-    select,
-)
+from sqlalchemy import ColumnElement, Engine, MetaData, Table, case, func, inspect, select
 from sqlalchemy.engine import Connection
 
+from trace_plugin.records.outcome import Outcome, outcome_clauses, outcome_of
 from trace_plugin.records.trajectory import EpisodeStatus
 from trace_plugin.store import tables as t
 
-Outcome = Literal["success", "failure", "unknown"]
 Bucket = Literal["hour", "day"]
-OUTCOMES: tuple[Outcome, ...] = ("success", "failure", "unknown")
+OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 STATUSES: tuple[str, ...] = get_args(EpisodeStatus)
 # Tables later stages will add; the dashboard shows them once a migration creates them.
 STAGE_TABLES = ("env_specs", "experts", "deployments")
 
 _e = t.episodes.c
-# The outcome rule of ``Store.stats``: a label decides; lacking one, a reward of 1 is success.
-SUCCESS = or_(_e.label == "success", and_(_e.label.is_(None), _e.reward >= 1.0))
-FAILURE = or_(and_(_e.label.is_not(None), _e.label != "success"), and_(_e.label.is_(None), _e.reward < 1.0))
-UNKNOWN = and_(_e.label.is_(None), _e.reward.is_(None))
+# The one success rule (``trace_plugin.records.outcome``), as SQL over the episodes table.
+_OUTCOME = outcome_clauses(_e.label, _e.reward)
+SUCCESS, FAILURE, UNKNOWN = _OUTCOME.success, _OUTCOME.failure, _OUTCOME.unknown
 _OUTCOME_CLAUSES: dict[Outcome, ColumnElement[bool]] = {
     "success": SUCCESS,
     "failure": FAILURE,
     "unknown": UNKNOWN,
 }
-
-
-def outcome_of(label: str | None, reward: float | None) -> Outcome:
-    """The same rule as ``SUCCESS``/``FAILURE``, for a row already read."""
-    if label is not None:
-        return "success" if label == "success" else "failure"
-    if reward is not None:
-        return "success" if reward >= 1.0 else "failure"
-    return "unknown"
 
 
 def aware(value: Any) -> Any:

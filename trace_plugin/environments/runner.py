@@ -25,6 +25,7 @@ from rich.table import Table
 
 from trace_plugin.environments.base import Environment, RewardBreakdown, Task, ToolCall, observation_error
 from trace_plugin.recorder import Recorder, default_recorder
+from trace_plugin.records.outcome import graded_label, reward_succeeds
 from trace_plugin.records.trajectory import Feedback, new_id
 from trace_plugin.tracer import Tracer
 
@@ -213,7 +214,7 @@ class Runner:
             error = f"{type(exc).__name__}: {exc}"
         reward = env.reward(answer)
         recorder = self._recorder or default_recorder()
-        label = "success" if reward.total >= 1.0 else "failure"
+        label = graded_label(reward.total)
         recorder.submit(
             Feedback(
                 episode_id,
@@ -247,7 +248,7 @@ def summarize(results: Sequence[EpisodeResult], title: str = "Results") -> Table
         table.add_column(column, justify="left" if column == "task kind" else "right")
     for kind, rows in [*sorted(by_kind.items()), ("all", list(results))]:
         n = len(rows)
-        success = sum(r.reward.total >= 1.0 for r in rows) / n
+        success = sum(reward_succeeds(r.reward.total) for r in rows) / n
         mean = sum(r.reward.total for r in rows) / n
         parts = [f"{sum(r.reward.components.get(c, 0.0) for r in rows) / n:.2f}" for c in components]
         table.add_row(

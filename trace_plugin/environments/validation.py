@@ -22,6 +22,7 @@ from typing import Any
 from trace_plugin.environments.base import ToolCall
 from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.records.env_spec import EnvSpec
+from trace_plugin.records.outcome import reward_succeeds
 
 VALIDATION_SEEDS = range(1_000_000, 1_000_100)  # disjoint from training and calibration seeds
 CALIBRATION_SEEDS = range(2_000_000, 2_000_100)
@@ -56,7 +57,7 @@ def check_policies(
         errors += task.metadata["reference_errors"][:1]
         for action in task.metadata["reference"]:
             env.step(ToolCall(action["name"], action["arguments"]))
-        reference += env.reward(" ".join(str(f) for f in task.metadata["facts"])).total >= 1.0
+        reference += reward_succeeds(env.reward(" ".join(str(f) for f in task.metadata["facts"])).total)
         env.reset(seed)
         nothing += env.reward("").total
         env.reset(seed)

@@ -21,6 +21,7 @@ from trace_plugin.mining.selection import (
     select,
 )
 from trace_plugin.records.capability import Capability
+from trace_plugin.records.outcome import succeeded
 from trace_plugin.records.trajectory import Episode, new_id
 from trace_plugin.store import Store
 
@@ -28,10 +29,8 @@ MAX_EXAMPLES = 5
 
 
 def outcome(episode: Episode) -> bool | None:
-    """Success, failure, or unknown: a label decides over a reward."""
-    if episode.label is not None:
-        return episode.label == "success"
-    return None if episode.reward is None else episode.reward >= 1.0
+    """Success, failure, or unknown (None), by the one rule in :mod:`trace_plugin.records.outcome`."""
+    return succeeded(episode.label, episode.reward)
 
 
 @dataclass

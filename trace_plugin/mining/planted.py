@@ -16,6 +16,7 @@ from typing import Any
 from trace_plugin.environments import Task, ToolCall
 from trace_plugin.environments.retail import TOOLS, RetailEnv
 from trace_plugin.mining.kinds import KINDS
+from trace_plugin.records.outcome import graded_label
 from trace_plugin.records.trajectory import Episode, Step, new_id
 
 REFUSALS = ("refuse_cancel", "refuse_return")
@@ -130,7 +131,7 @@ def episode(policy: str, seed: int) -> Episode:
         input={"messages": messages[1:2]},
         output=reply,
         reward=reward,
-        label="success" if reward >= 1.0 else "failure",
+        label=graded_label(reward),
         metadata={"policy": policy, "seed": seed},
     )
     names = [t["function"]["name"] for t in TOOLS]

@@ -15,12 +15,18 @@ from sqlalchemy.sql.elements import ColumnElement
 
 Outcome = Literal["success", "failure", "unknown"]
 SUCCESS_LABEL = "success"
+FAILURE_LABEL = "failure"  # what a grade writes; any label but SUCCESS_LABEL is a failure
 SUCCESS_REWARD = 1.0  # rewards are in [0, 1]: only a full score is a success
 
 
 def reward_succeeds(reward: float) -> bool:
     """Whether a reward alone, with no label, makes a success."""
     return reward >= SUCCESS_REWARD
+
+
+def graded_label(reward: float) -> str:
+    """The label an environment's grade gives an episode."""
+    return SUCCESS_LABEL if reward_succeeds(reward) else FAILURE_LABEL
 
 
 def outcome_of(label: str | None, reward: float | None) -> Outcome:

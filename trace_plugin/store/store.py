@@ -24,6 +24,7 @@ from trace_plugin.records.deployment import Deployment
 from trace_plugin.records.env_spec import EnvSpec, SpecRecord
 from trace_plugin.records.expert import Expert
 from trace_plugin.records.job import Job
+from trace_plugin.records.outcome import outcome_clauses
 from trace_plugin.records.trajectory import Episode, EpisodeEnd, Feedback, Step, utcnow
 from trace_plugin.store import tables as t
 from trace_plugin.store.engine import json_for_store, make_engine, resolve_url
@@ -503,19 +504,17 @@ class Store:
     def stats(self) -> list[AgentStats]:
         """Per agent: episodes, how many have an outcome, successes and mean reward.
 
-        An episode succeeded when its label is ``success`` or, lacking a label, its
-        reward is at least 1 (rewards lie in [0, 1], so 1 is full marks).
+        Success is the one rule of :mod:`trace_plugin.records.outcome`, as SQL.
         """
         e = t.episodes.c
-        has_outcome = (e.label.is_not(None)) | (e.reward.is_not(None))
-        success = case((e.label.is_not(None), e.label == "success"), else_=e.reward >= 1.0)
+        outcome = outcome_clauses(e.label, e.reward)
         query = (
             select(
                 e.agent,
                 func.count(),
                 func.sum(case((e.status != "running", 1), else_=0)),
-                func.sum(case((has_outcome, 1), else_=0)),
-                func.sum(case((has_outcome & success, 1), else_=0)),
+                func.sum(case((~outcome.unknown, 1), else_=0)),
+                func.sum(case((outcome.success, 1), else_=0)),
                 func.avg(e.reward),
             )
             .group_by(e.agent)
