@@ -47,6 +47,7 @@ from trace_plugin.gateway.routing import router_from_spec  # noqa: E402
 from trace_plugin.improver import TRAINING_SEEDS, GatewayAdmin  # noqa: E402
 from trace_plugin.mining.miner import OfflineMiner  # noqa: E402
 from trace_plugin.records.env_spec import EnvSpec  # noqa: E402
+from trace_plugin.records.outcome import reward_succeeds  # noqa: E402
 from training.lora import is_noop  # noqa: E402
 
 # The budget per method is ``rollouts`` times ``max_experts``. Quick is the demo's. The default
@@ -235,7 +236,7 @@ def main() -> None:
 def _successes(episodes: list[Any]) -> list[float]:
     """Per task, 1.0 for a solved one: from runner results or an evaluation's stored episodes."""
     rewards = [e["reward"] if isinstance(e, dict) else e.reward.total for e in episodes]
-    return [float(r >= 1.0) for r in rewards]
+    return [float(reward_succeeds(r)) for r in rewards]
 
 
 def router_accuracy(

@@ -23,6 +23,7 @@ import mcp.types as types
 from mcp_server.transport import McpServer
 from trace_plugin.environments import Environment, ToolCall, observation_error
 from trace_plugin.recorder import Recorder
+from trace_plugin.records.outcome import graded_label
 from trace_plugin.records.trajectory import Feedback
 from trace_plugin.tracer import ActiveEpisode, Tracer
 
@@ -99,7 +100,7 @@ def build_server(
             reward = state.env.reward(str(arguments.get("answer", "")))
             answer = {"role": "assistant", "content": arguments.get("answer", "")}
             tracer.end_episode(state.episode, output=answer)
-            label = "success" if reward.total >= 1.0 else "failure"
+            label = graded_label(reward.total)
             tracer.recorder.submit(
                 Feedback(
                     state.episode.id,
