@@ -1,7 +1,7 @@
 """How well the offline miner finds planted deficits, and what it finds on the real base agent.
 
 - Planted: scripted policies on the retail environment, each lacking one known capability,
-  mixed with a competent policy and a harmless distractor (``trace_plugin.mining.planted``).
+  mixed with a competent policy and a harmless distractor (``trace_plugin.environments.planted``).
   Precision and recall of the selected capabilities against the planted ones.
 - Base agent: the example LangGraph support agent on the embedded SmolLM2-135M, through the
   gateway, on test tasks; the capabilities the miner selects from those episodes.
@@ -24,13 +24,13 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the examples/ package
 import trace_plugin  # noqa: E402
 from examples.support_agent.agent import build_support_agent, few_shot_messages  # noqa: E402
+from trace_plugin.environments.planted import PLANTED, corpus  # noqa: E402
 from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv  # noqa: E402
 from trace_plugin.environments.runner import LangGraphAgent, Runner  # noqa: E402
 from trace_plugin.gateway.app import GatewayConfig, create_app  # noqa: E402
 from trace_plugin.gateway.embedded import EmbeddedBackend  # noqa: E402
 from trace_plugin.gateway.server import start_in_thread  # noqa: E402
 from trace_plugin.mining.miner import OfflineMiner, mine_episodes  # noqa: E402
-from trace_plugin.mining.planted import PLANTED, corpus  # noqa: E402
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import litellm
 import pytest
 
+from trace_plugin.environments.planted import corpus
 from trace_plugin.environments.retail import TRAIN_SEEDS
 from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.server import start_in_thread
@@ -26,7 +27,6 @@ from trace_plugin.mining.analyzer import (
 )
 from trace_plugin.mining.kinds import KINDS
 from trace_plugin.mining.miner import mine_episodes
-from trace_plugin.mining.planted import corpus
 from trace_plugin.mining.selection import SelectionRule
 from trace_plugin.records.trajectory import Episode, Step, new_id
 from trace_plugin.store import Store

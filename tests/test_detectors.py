@@ -7,10 +7,10 @@ import json
 import pytest
 
 from trace_plugin.environments import ToolCall
+from trace_plugin.environments.planted import play
 from trace_plugin.environments.retail import TOOLS, TRAIN_SEEDS, RetailEnv
 from trace_plugin.mining.detectors import Trajectory, guess_role
 from trace_plugin.mining.kinds import label_episode
-from trace_plugin.mining.planted import play
 from trace_plugin.mining.selection import Label
 from trace_plugin.records.trajectory import Episode, Step
 

@@ -108,8 +108,8 @@ def test_envs_list_and_show():
 
 
 def test_the_planted_deficit_corpus_is_recovered_exactly():
+    from trace_plugin.environments.planted import PLANTED, POLICIES, corpus
     from trace_plugin.mining.miner import mine_episodes
-    from trace_plugin.mining.planted import PLANTED, POLICIES, corpus
 
     episodes = corpus(list(TRAIN_SEEDS)[:40])
     # every deficient policy fails somewhere and succeeds somewhere; the others never fail
