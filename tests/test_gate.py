@@ -131,7 +131,7 @@ async def test_fit_gate_plays_every_choice_and_learns_which_environment_each_win
     adapters = [f"{spec.capability}@x" for spec in specs]
     router, report = await fit_gate(specs, adapters, play, embedded_backend.embed, range(12))
     assert len(played) == 6 and report == {"tasks": 24, "labels": {a: 12 for a in adapters}}
-    assert router["choices"] == [None, *adapters]
+    assert router.choices == [None, *adapters]
     gate = router_from_spec(router, embedded_backend)
     right = 0
     for spec, adapter in zip(specs, adapters, strict=True):

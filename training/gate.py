@@ -19,6 +19,7 @@ from typing import Any
 from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.gateway.routing import gate_input
 from trace_plugin.records.env_spec import EnvSpec
+from trace_plugin.records.router_spec import GateSpec
 
 
 @dataclass
@@ -65,7 +66,7 @@ class GateTrainer:
         embeddings: Sequence[Sequence[float]],
         labels: Sequence[str | None],
         choices: Sequence[str | None],
-    ) -> dict[str, Any]:
+    ) -> GateSpec:
         import torch
 
         if len(embeddings) != len(labels) or not embeddings:
@@ -89,15 +90,14 @@ class GateTrainer:
             loss = torch.nn.functional.cross_entropy(layer(x), y)
             loss.backward()
             optimizer.step()
-        return {
-            "kind": "gate",
-            "choices": list(choices),
-            "weight": _rounded(layer.weight),
-            "bias": _rounded(layer.bias),
-            "mean": _rounded(mean),
-            "scale": _rounded(scale),
-            "threshold": self.config.threshold,
-        }
+        return GateSpec(
+            choices=list(choices),
+            weight=_rounded(layer.weight),
+            bias=_rounded(layer.bias),
+            mean=_rounded(mean),
+            scale=_rounded(scale),
+            threshold=self.config.threshold,
+        )
 
 
 def _rounded(tensor: Any) -> Any:
@@ -119,7 +119,7 @@ async def fit_gate(
     embed: Embed,
     seeds: Sequence[int],
     config: GateConfig | None = None,
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[GateSpec, dict[str, Any]]:
     """Play the base model and every adapter on ``seeds`` of every environment, label each
     task with its best choice, and fit a gate to the tasks' requests.
 

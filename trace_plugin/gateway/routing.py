@@ -2,24 +2,18 @@
 
 A router sees the conversation and the offered tools and names an adapter (its
 unversioned name: the registry picks the live version) or None for the base model. Every
-router is described by a JSON spec (``router.spec``), which is what deployments store
-and what the gateway's admin API accepts, so a router version can be deployed, recorded
-and rolled back like an adapter:
-
-- ``{"kind": "static", "adapter": NAME | null}``;
-- ``{"kind": "keyword", "rules": [[[WORDS], NAME]], "default": NAME | null}``;
-- ``{"kind": "classifier", "experts": [{"adapter", "name", "description"}], "threshold"}``:
-  the TRACE paper's base model as classifier;
-- ``{"kind": "gate", "choices": [NAME | null], "weight", "bias", "mean", "scale", "threshold"}``:
-  a learned mixture-of-experts gate over the base model's embedding of the request
-  (trained by ``training.gate``), hard top-1. Its weights live in the spec, so a gate is
-  versioned and rolled back like any router.
+router is described by a JSON spec (``router.spec``, the wire form of a
+:mod:`trace_plugin.records.router_spec` model), which is what deployments store and what the
+gateway's admin API accepts, so a router version can be deployed, recorded and rolled back
+like an adapter: static, keyword, the TRACE paper's base model as classifier, and a learned
+mixture-of-experts gate over the base model's embedding of the request (trained by
+``training.gate``), hard top-1. A gate's weights live in its spec, so a gate is versioned
+and rolled back like any router.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 from collections import OrderedDict
@@ -28,8 +22,32 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from trace_plugin.chat_template import content_text
-from trace_plugin.errors import TracePluginError
 from trace_plugin.gateway.backend import Backend, SamplingParams
+from trace_plugin.records.router_spec import (
+    ClassifierSpec,
+    ExpertEntry,
+    GateSpec,
+    KeywordSpec,
+    RouterSpec,
+    RouterSpecError,
+    StaticSpec,
+    parse_router_spec,
+    router_version,
+)
+
+__all__ = [
+    "ClassifierRouter",
+    "ExpertChoice",
+    "GateRouter",
+    "KeywordRouter",
+    "Router",
+    "RouterSpecError",
+    "StaticRouter",
+    "gate_input",
+    "referenced_adapters",
+    "router_from_spec",
+    "router_version",
+]
 
 
 class Router(Protocol):
@@ -40,16 +58,12 @@ class Router(Protocol):
     ) -> str | None: ...
 
 
-class RouterSpecError(TracePluginError, ValueError):
-    pass
-
-
 class StaticRouter:
     """Always the same adapter (or always the base model)."""
 
     def __init__(self, adapter: str | None = None) -> None:
         self.adapter = adapter
-        self.spec = {"kind": "static", "adapter": adapter}
+        self.spec = StaticSpec(adapter=adapter).to_dict()
 
     async def route(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
         return self.adapter
@@ -66,7 +80,7 @@ class KeywordRouter:
             (re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + r")\b", re.I), a) for words, a in rules
         ]
         self.default = default
-        self.spec = {"kind": "keyword", "rules": [[list(w), a] for w, a in rules], "default": default}
+        self.spec = KeywordSpec(rules=[(list(w), a) for w, a in rules], default=default).to_dict()
 
     async def route(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
         text = _last_user(messages)
@@ -129,13 +143,10 @@ class ClassifierRouter:
         self.threshold = threshold
         self.letters = [chr(ord("A") + i) for i in range(len(self.experts))]
         self._decisions = _Decisions(cache_size)
-        self.spec = {
-            "kind": "classifier",
-            "experts": [
-                {"adapter": e.adapter, "name": e.name, "description": e.description} for e in experts
-            ],
-            "threshold": threshold,
-        }
+        self.spec = ClassifierSpec(
+            experts=[ExpertEntry(adapter=e.adapter, name=e.name, description=e.description) for e in experts],
+            threshold=threshold,
+        ).to_dict()
 
     def prompt(self, request: str) -> str:
         options = "\n".join(
@@ -213,15 +224,14 @@ class GateRouter:
         self.mean, self.scale = list(map(float, mean)), list(map(float, scale))
         self.threshold = threshold
         self._decisions = _Decisions(cache_size)
-        self.spec = {
-            "kind": "gate",
-            "choices": self.choices,
-            "weight": self.weight,
-            "bias": self.bias,
-            "mean": self.mean,
-            "scale": self.scale,
-            "threshold": threshold,
-        }
+        self.spec = GateSpec(
+            choices=self.choices,
+            weight=self.weight,
+            bias=self.bias,
+            mean=self.mean,
+            scale=self.scale,
+            threshold=threshold,
+        ).to_dict()
 
     def probabilities(self, embedding: Sequence[float]) -> list[float]:
         if len(embedding) != len(self.mean):
@@ -249,57 +259,36 @@ class GateRouter:
         return choice
 
 
-def router_from_spec(spec: dict[str, Any], backend: Backend) -> Router:
-    """Build the router a spec describes; RouterSpecError says what is wrong with it."""
-    router = _build_router(spec, backend)
-    if not all(isinstance(name, str) for name in _adapter_names(router.spec)):
-        raise RouterSpecError("adapter names in a router spec must be strings")
-    return router
-
-
-def _build_router(spec: dict[str, Any], backend: Backend) -> Router:
-    kind = spec.get("kind")
+def router_from_spec(spec: RouterSpec | dict[str, Any], backend: Backend) -> Router:
+    """Build the router a spec (a model, or a dict validated as one) describes;
+    RouterSpecError says what is wrong with it."""
+    model = parse_router_spec(spec)
     try:
-        if kind == "static":
-            return StaticRouter(spec.get("adapter"))
-        if kind == "keyword":
-            return KeywordRouter(
-                [(list(words), adapter) for words, adapter in spec["rules"]], spec.get("default")
-            )
-        if kind == "classifier":
-            experts = [
-                ExpertChoice(e["adapter"], e["name"], e.get("description", "")) for e in spec["experts"]
-            ]
-            return ClassifierRouter(backend, experts, threshold=float(spec.get("threshold", 0.5)))
-        if kind == "gate":
-            parts = ("weight", "bias", "mean", "scale")
-            return GateRouter(
-                backend,
-                spec["choices"],
-                *(spec[k] for k in parts),
-                threshold=float(spec.get("threshold", 0.0)),
-            )
+        if isinstance(model, StaticSpec):
+            return StaticRouter(model.adapter)
+        if isinstance(model, KeywordSpec):
+            return KeywordRouter(model.rules, model.default)
+        if isinstance(model, ClassifierSpec):
+            experts = [ExpertChoice(e.adapter, e.name, e.description) for e in model.experts]
+            return ClassifierRouter(backend, experts, threshold=model.threshold)
+        return GateRouter(
+            backend,
+            model.choices,
+            model.weight,
+            model.bias,
+            model.mean,
+            model.scale,
+            threshold=model.threshold,
+        )
     except RouterSpecError:
         raise
     except (KeyError, TypeError, ValueError) as exc:
-        raise RouterSpecError(f"bad {kind} router spec: {exc}") from None
-    raise RouterSpecError(f"unknown router kind {kind!r}; known: static, keyword, classifier, gate")
+        raise RouterSpecError(f"bad {model.kind} router spec: {exc}") from None
 
 
-def router_version(spec: dict[str, Any]) -> str:
-    """A router's version: the digest of its spec, recorded on every episode it routed."""
-    return "r-" + hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def referenced_adapters(spec: dict[str, Any]) -> set[str]:
+def referenced_adapters(spec: RouterSpec | dict[str, Any]) -> set[str]:
     """Every adapter a (valid) router spec can send requests to."""
-    return set(_adapter_names(spec))
-
-
-def _adapter_names(spec: dict[str, Any]) -> list[Any]:
-    names = [spec.get("adapter"), spec.get("default"), *spec.get("choices", ())]
-    names += [e["adapter"] for e in spec.get("experts", ())] + [a for _, a in spec.get("rules", ())]
-    return [n for n in names if n is not None]
+    return {name for name in parse_router_spec(spec).adapters() if name is not None}
 
 
 def _last_user(messages: list[dict[str, Any]]) -> str:

@@ -1,0 +1,142 @@
+"""Router specs: the JSON that describes a router, as a versioned pydantic model.
+
+Deployments store a spec, the gateway's admin API accepts one, the improver builds them
+and ``training.gate`` fits the weights of one; :func:`~trace_plugin.gateway.routing.router_from_spec`
+turns a spec into a router. A spec is one of four kinds, told apart by ``kind``:
+
+- ``{"kind": "static", "adapter": NAME | null}``;
+- ``{"kind": "keyword", "rules": [[[WORDS], NAME]], "default": NAME | null}``;
+- ``{"kind": "classifier", "experts": [{"adapter", "name", "description"}], "threshold"}``:
+  the TRACE paper's base model as classifier;
+- ``{"kind": "gate", "choices": [NAME | null], "weight", "bias", "mean", "scale", "threshold"}``:
+  a learned per-layer gate over the base model's embedding of the request.
+
+A spec's digest (:func:`router_version`) is stamped on every episode the router served and
+kept with every deployment, so a model serializes to exactly the JSON these dicts always had:
+format 1 writes no version key. A later format will write ``format_version``; a spec
+without one is format 1. Imports no torch: the gateway, the improver and training share it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_serializer
+
+from trace_plugin.errors import TracePluginError
+
+FORMAT_VERSION = 1
+KINDS = ("static", "keyword", "classifier", "gate")
+
+
+class RouterSpecError(TracePluginError, ValueError):
+    """A router spec that is not one, and why."""
+
+
+class _Spec(BaseModel):
+    # Unknown keys are dropped, as the gateway always did: the spec it serves is the normalized one.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    format_version: Literal[1] = Field(FORMAT_VERSION, exclude=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form: what deployments store and the gateway's admin API speaks."""
+        return self.model_dump()
+
+    def adapters(self) -> list[str | None]:
+        """Every adapter this spec can send requests to (None: the base model)."""
+        raise NotImplementedError
+
+
+class StaticSpec(_Spec):
+    """Always the same adapter (or always the base model)."""
+
+    kind: Literal["static"] = "static"
+    adapter: str | None = None
+
+    def adapters(self) -> list[str | None]:
+        return [self.adapter]
+
+
+class KeywordSpec(_Spec):
+    """The first rule whose keyword occurs in the latest user message, else ``default``."""
+
+    kind: Literal["keyword"] = "keyword"
+    rules: list[tuple[list[str], str]]
+    default: str | None = None
+
+    @field_serializer("rules")
+    def _rules_as_lists(self, rules: list[tuple[list[str], str]]) -> list[list[Any]]:
+        return [[list(words), adapter] for words, adapter in rules]
+
+    def adapters(self) -> list[str | None]:
+        return [self.default, *(adapter for _, adapter in self.rules)]
+
+
+class ExpertEntry(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    adapter: str  # the served name
+    name: str  # the capability
+    description: str = ""
+
+
+class ClassifierSpec(_Spec):
+    """The base model as classifier over ``experts``; below ``threshold``, the base model."""
+
+    kind: Literal["classifier"] = "classifier"
+    experts: list[ExpertEntry]
+    threshold: float = 0.5
+
+    def adapters(self) -> list[str | None]:
+        return [e.adapter for e in self.experts]
+
+
+class GateSpec(_Spec):
+    """A learned gate: softmax(weight · standardized embedding + bias) over ``choices``."""
+
+    kind: Literal["gate"] = "gate"
+    choices: list[str | None]
+    weight: list[list[float]]
+    bias: list[float]
+    mean: list[float]
+    scale: list[float]
+    threshold: float = 0.0
+
+    def adapters(self) -> list[str | None]:
+        return list(self.choices)
+
+
+RouterSpec = Annotated[StaticSpec | KeywordSpec | ClassifierSpec | GateSpec, Field(discriminator="kind")]
+_ADAPTER: TypeAdapter[Any] = TypeAdapter(RouterSpec)
+
+
+def parse_router_spec(spec: RouterSpec | dict[str, Any]) -> RouterSpec:
+    """The model a spec describes; RouterSpecError says what is wrong with it."""
+    if isinstance(spec, _Spec):
+        return spec  # type: ignore[return-value]
+    if not isinstance(spec, dict):
+        raise RouterSpecError(f"a router spec is a JSON object, not {type(spec).__name__}")
+    kind = spec.get("kind")
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise RouterSpecError(f"unknown router kind {kind!r}; known: {', '.join(KINDS)}")
+    try:
+        return _ADAPTER.validate_python(spec)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'][1:])) or 'spec'}: {e['msg']}" for e in exc.errors(include_url=False)
+        )
+        raise RouterSpecError(f"bad {kind} router spec: {problems}") from None
+
+
+def router_spec_dict(spec: RouterSpec | dict[str, Any]) -> dict[str, Any]:
+    """A spec's wire form (a dict is validated first)."""
+    return parse_router_spec(spec).to_dict()
+
+
+def router_version(spec: RouterSpec | dict[str, Any]) -> str:
+    """A router's version: the digest of its spec, recorded on every episode it routed."""
+    data = spec.to_dict() if isinstance(spec, _Spec) else spec
+    return "r-" + hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
