@@ -43,8 +43,9 @@ from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall  # no
 from trace_plugin.environments.interpreter import SpecEnv, worked_example  # noqa: E402
 from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv  # noqa: E402
 from trace_plugin.gateway.adapters import split_name  # noqa: E402
+from trace_plugin.gateway.admin import GatewayAdmin  # noqa: E402
 from trace_plugin.gateway.routing import router_from_spec  # noqa: E402
-from trace_plugin.improver import TRAINING_SEEDS, GatewayAdmin  # noqa: E402
+from trace_plugin.improver import TRAINING_SEEDS  # noqa: E402
 from trace_plugin.mining.miner import OfflineMiner  # noqa: E402
 from trace_plugin.records.env_spec import EnvSpec  # noqa: E402
 from trace_plugin.records.outcome import reward_succeeds  # noqa: E402
@@ -156,7 +157,7 @@ def main() -> None:
         routers: dict[str, dict[str, Any]] = {}
         if cycle:
             routers["trace"] = cycle.router
-            routers["gate"] = asyncio.run(improver.fit_gate(experts))["router"]
+            routers["gate"] = asyncio.run(improver.learned_router(experts)).router.to_dict()
             asyncio.run(admin.set_router(routers["gate"], name="gate"))
 
         def success(model: str) -> list[float]:

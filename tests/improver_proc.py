@@ -26,7 +26,7 @@ from transformers import TrainerCallback
 
 import training.executors
 from trace_plugin.environments.runner import EpisodeResult
-from trace_plugin.improver import Improver, ImproverConfig
+from trace_plugin.improver import Deployed, Improver, ImproverConfig, Synthesized
 from trace_plugin.recorder import Recorder
 from trace_plugin.records.deployment import Deployment
 from trace_plugin.records.env_spec import EnvSpec
@@ -64,12 +64,12 @@ training.executors.ExpertTrainer = ReportingTrainer  # what the local executor t
 class PausingImprover(Improver):
     deploying: str | None = None  # the deployment _deploy is switching to
 
-    async def _job(self, cycle: str, stage: str, key: str, work: Callable[[], Any]) -> dict[str, Any]:
+    async def _job(self, cycle: str, stage: str, key: str, work: Callable[[], Any]) -> Any:
         outputs = await super()._job(cycle, stage, key, work)
         pause(f"{stage}:done")
         return outputs
 
-    async def _synthesize(self, capability: str) -> dict[str, Any]:
+    async def _synthesize(self, capability: str) -> Synthesized:
         outputs = await super()._synthesize(capability)
         pause("synthesize:stored")
         return outputs
@@ -79,7 +79,7 @@ class PausingImprover(Improver):
         pause("evaluate:played")  # only the evaluation plays environments here: the router is static
         return results
 
-    async def _deploy(self, deployment: Deployment) -> dict[str, Any]:
+    async def _deploy(self, deployment: Deployment) -> Deployed:
         self.deploying = deployment.id
         return await super()._deploy(deployment)
 

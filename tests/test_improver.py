@@ -1,4 +1,4 @@
-"""The improver's parts: leases, persisted jobs, the gate, the router choice, monitoring."""
+"""The improver's parts: leases, persisted jobs, the deploy verdict, the router choice, monitoring."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from trace_plugin.environments.base import RewardBreakdown
 from trace_plugin.environments.interpreter import SpecEnv
-from trace_plugin.improver import Improver, ImproverConfig, gate, router_spec
+from trace_plugin.improver import GateFit, Improver, ImproverConfig, Verdict, judge, router_spec
 from trace_plugin.records.deployment import Deployment
 from trace_plugin.records.job import Job
 from trace_plugin.records.trajectory import Episode, EpisodeEnd, new_id, utcnow
@@ -60,35 +60,33 @@ def test_one_holder_at_a_time_and_a_killed_holder_frees_the_lease(db_url):
         store.close()
 
 
-def test_gate_accepts_only_a_clear_improvement_without_regressions():
+def test_the_verdict_accepts_only_a_clear_improvement_without_regressions():
     capabilities = {"fmt": {"base": 0.1, "current": 0.1, "candidate": 0.6}}
     better = {
         "capabilities": capabilities,
         "target": {"current": {"success": 0.25}, "candidate": {"success": 0.4}},
     }
-    assert gate(better, margin=0.05, tolerance=0.05) == {"accept": True, "reasons": []}
+    assert judge(better, margin=0.05, tolerance=0.05) == Verdict(accept=True, reasons=[])
     same = {**better, "target": {"current": {"success": 0.25}, "candidate": {"success": 0.27}}}
-    verdict = gate(same, margin=0.05, tolerance=0.05)
-    assert not verdict["accept"] and "does not beat" in verdict["reasons"][0]
+    verdict = judge(same, margin=0.05, tolerance=0.05)
+    assert not verdict.accept and "does not beat" in verdict.reasons[0]
     regress = {
         "capabilities": {**capabilities, "refusal": {"base": 0.5, "current": 0.8, "candidate": 0.7}},
         "target": better["target"],
     }
-    verdict = gate(regress, margin=0.05, tolerance=0.05)
-    assert not verdict["accept"] and verdict["reasons"] == ["refusal regresses: 0.70 against the live 0.80"]
+    verdict = judge(regress, margin=0.05, tolerance=0.05)
+    assert not verdict.accept and verdict.reasons == ["refusal regresses: 0.70 against the live 0.80"]
     tie = {**better, "target": {"current": {"success": 0.25}, "candidate": {"success": 0.25}}}
-    assert "does not beat" in gate(tie, margin=0.0, tolerance=0.05)["reasons"][0]  # its experts improved
+    assert "does not beat" in judge(tie, margin=0.0, tolerance=0.05).reasons[0]  # its experts improved
     flat = {"capabilities": {"fmt": {"base": 0.3, "current": 0.3, "candidate": 0.3}}}
-    assert gate(flat, margin=0.0, tolerance=0.05)["reasons"] == [
-        "no capability improved on its held-out seeds"
-    ]
+    assert judge(flat, margin=0.0, tolerance=0.05).reasons == ["no capability improved on its held-out seeds"]
 
 
 def test_one_expert_takes_all_traffic_several_are_classified(sqlite_url):
     store = Store(sqlite_url)
     store.upgrade()
-    assert router_spec({"fmt": "fmt@abc"}, store, "a") == {"kind": "static", "adapter": "fmt"}
-    spec = router_spec({"fmt": "fmt@abc", "refusal": "refusal@def"}, store, "a")
+    assert router_spec({"fmt": "fmt@abc"}, store, "a").to_dict() == {"kind": "static", "adapter": "fmt"}
+    spec = router_spec({"fmt": "fmt@abc", "refusal": "refusal@def"}, store, "a").to_dict()
     assert spec["kind"] == "classifier" and [e["adapter"] for e in spec["experts"]] == ["fmt", "refusal"]
 
 
@@ -187,16 +185,16 @@ async def test_a_learned_gate_is_fitted_on_practice_tasks_and_served_as_a_candid
 
         improver._play_spec = scripted
         routing = await improver._route(experts)
-        router = routing["router"]
+        router = routing.router.to_dict()
         assert router["kind"] == "gate" and router["choices"] == [
             None,
             "communicating_facts",
             "policy_refusal",
         ]
-        assert routing["gate"] == {"tasks": 12, "labels": {"communicating_facts": 6, "policy_refusal": 6}}
+        assert routing.gate == GateFit(tasks=12, labels={"communicating_facts": 6, "policy_refusal": 6})
         # Fitted again outside a cycle (as bench/improvement.py does), from the ready experts' environments.
-        again = await improver.fit_gate(await improver._load_candidates(experts))
-        assert again["router"] == router
+        again = await improver.learned_router(await improver._load_candidates(experts))
+        assert again.router.to_dict() == router
         await improver.gateway.set_router(router, name="cycle-1")  # what the evaluate stage does
         served = httpx.get(f"{gateway.url}/v1/router", params={"name": "cycle-1"}).json()
         assert served == router
@@ -212,3 +210,59 @@ async def test_a_learned_gate_is_fitted_on_practice_tasks_and_served_as_a_candid
             timeout=120,
         )
         assert r.status_code == 200 and r.json()["model"].startswith("communicating_facts@")
+
+
+def test_success_rates_per_period_come_from_one_query(db_url):
+    """What the monitor and the triggers read: per deployment period, the labeled episodes
+    and the successes among the latest of them (labels decide; else a reward of 1)."""
+    store = Store(db_url)
+    store.upgrade()
+    start = utcnow() - timedelta(hours=2)
+    _episodes(store, "a", 3, 1, start)  # before the first boundary: outside every period
+    _episodes(store, "a", 8, 2, start + timedelta(minutes=30))  # the successes come first
+    _episodes(store, "a", 1, 3, start + timedelta(hours=1))
+    _episodes(store, "b", 5, 0, start + timedelta(hours=1))  # another agent
+    unlabeled = Episode(new_id(), "a", source="test", started_at=start + timedelta(hours=1, minutes=9))
+    by_reward = Episode(new_id(), "a", source="test", started_at=start + timedelta(hours=1, minutes=8))
+    running = Episode(new_id(), "a", source="test", started_at=start + timedelta(hours=1, minutes=7))
+    store.write(
+        [
+            unlabeled,
+            EpisodeEnd(unlabeled.id, "completed"),
+            by_reward,
+            EpisodeEnd(by_reward.id, "completed", reward=1.0),
+        ]
+    )
+    store.write([running])
+    boundaries = [start + timedelta(minutes=20), start + timedelta(hours=1)]
+    before, now = store.outcome_windows("a", boundaries, last=4)
+    assert (before.labeled, before.recent, before.successes) == (
+        10,
+        4,
+        2,
+    )  # the latest 4: 2 of them succeeded
+    assert (now.labeled, now.recent, now.successes) == (5, 4, 1)  # the reward-only success is the latest
+    [everything] = store.outcome_windows("a", [None])
+    assert (everything.labeled, everything.successes, everything.success_rate) == (19, 13, 13 / 19)
+    assert store.outcome_windows("nobody", [None])[0].success_rate is None
+    store.close()
+
+
+def test_stage_outputs_survive_the_job_row():
+    from trace_plugin.improver import Evaluation, Routing, Scores, Summary, TargetScores
+    from trace_plugin.records.router_spec import StaticSpec
+
+    summary = Summary(n=1, success=1.0, by_kind={"k": 1.0}, episodes=[{"seed": 1, "reward": 1.0}])
+    evaluation = Evaluation(
+        adapters={"fmt": "fmt@1"},
+        router=StaticSpec(adapter="fmt"),
+        capabilities={"fmt": Scores(base=0.1, current=0.1, candidate=0.5)},
+        target=TargetScores(current=summary, candidate=summary),
+    )
+    stored = evaluation.to_dict()
+    assert stored["router"] == {"kind": "static", "adapter": "fmt"} and stored["target"]["current"]["n"] == 1
+    assert Evaluation.from_dict(stored) == evaluation
+    assert "target" not in Evaluation({}, StaticSpec(), {}).to_dict()
+    routing = Routing(router=StaticSpec(adapter=None), gate=GateFit(tasks=2, labels={"base": 2}))
+    assert Routing.from_dict(routing.to_dict()) == routing
+    assert Routing(StaticSpec()).to_dict() == {"router": {"kind": "static", "adapter": None}}

@@ -142,7 +142,7 @@ async def test_killed_at_every_stage_the_improver_finishes_once(
         assert evaluation.status == "running" and evaluation.outputs is None  # interrupted midway
         child.kill()
 
-        paused("gate:done").kill()
+        paused("verdict:done").kill()
 
         child = paused("deploy:commit")
         # Seen from another connection, mid-switch: the old deployment is live, and only it.

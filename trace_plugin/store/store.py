@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import orjson
-from sqlalchemy import Engine, bindparam, case, func, select, text, update
+from sqlalchemy import Engine, bindparam, case, func, literal, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
@@ -49,6 +49,19 @@ class AgentStats:
     @property
     def success_rate(self) -> float | None:
         return self.successes / self.with_outcome if self.with_outcome else None
+
+
+@dataclass(frozen=True, slots=True)
+class OutcomeWindow:
+    """A period's finished episodes with an outcome, and the successes among the latest of them."""
+
+    labeled: int  # every one in the period
+    recent: int  # the latest ``last`` of them (all, without a ``last``)
+    successes: int  # among ``recent``
+
+    @property
+    def success_rate(self) -> float | None:
+        return self.successes / self.recent if self.recent else None
 
 
 def tool_hash(schema: dict[str, Any]) -> str:
@@ -485,6 +498,42 @@ class Store:
             query = query.where(c.status == status)
         with self._read_engine.connect() as conn:
             return [_from_row(Deployment, r, _DEPLOYMENT_COLUMNS) for r in conn.execute(query).mappings()]
+
+    def outcome_windows(
+        self, agent: str, starts: Sequence[datetime | None], *, last: int | None = None
+    ) -> list[OutcomeWindow]:
+        """Per period, ``agent``'s finished episodes with an outcome, in one query.
+
+        ``starts`` (ascending) open the periods: each runs until the next start, the last one
+        open-ended, and a None first start reaches back to the first episode. Successes are
+        counted among each period's ``last`` latest episodes (all of them without ``last``).
+        """
+        e = t.episodes.c
+        outcome = outcome_clauses(e.label, e.reward)
+        opened = [(e.started_at >= start, i) for i, start in reversed(list(enumerate(starts))) if start]
+        period = case(*opened, else_=0) if opened else literal(0)
+        query = select(
+            period.label("period"),
+            case((outcome.success, 1), else_=0).label("ok"),
+            func.row_number()
+            .over(partition_by=period, order_by=(e.started_at.desc(), e.id.desc()))
+            .label("rank"),
+        ).where(e.agent == agent, e.status != "running", outcome.success | outcome.failure)
+        if starts and starts[0] is not None:
+            query = query.where(e.started_at >= starts[0])
+        inner = query.subquery()
+        recent = inner.c.rank <= last if last is not None else inner.c.rank > 0
+        totals = select(
+            inner.c.period,
+            func.count(),
+            func.sum(case((recent, 1), else_=0)),
+            func.sum(case((recent, inner.c.ok), else_=0)),
+        ).group_by(inner.c.period)
+        windows = [OutcomeWindow(0, 0, 0) for _ in starts or [None]]
+        with self._read_engine.connect() as conn:
+            for index, labeled, in_recent, successes in conn.execute(totals):
+                windows[index] = OutcomeWindow(labeled, int(in_recent or 0), int(successes or 0))
+        return windows
 
     def _upsert(self, table: t.Table, agent: str, row: dict[str, Any]) -> None:
         """Update the row with this primary key, or insert it (the agent row first)."""

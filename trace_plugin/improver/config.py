@@ -1,0 +1,70 @@
+"""What the improver watches, how hard it trains, and how careful it deploys."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from training.config import ExpertTrainingConfig
+
+HELD_OUT_SEEDS = range(3_000_000, 3_000_200)  # synthesized environments' evaluation seeds
+GATE_SEEDS = range(4_000_000, 4_000_200)  # the practice tasks a learned gate is fitted on
+TRAINING_SEEDS = range(0, 2_000)
+CALIBRATION_SEEDS_START = 2_000_000
+
+
+@dataclass
+class ImproverConfig:
+    """What the improver watches, how hard it trains, and how careful it deploys.
+
+    ``training`` is the :class:`~training.config.ExpertTrainingConfig` experts train with;
+    given as a mapping, it holds overrides of the ``preset`` (and becomes that config).
+    """
+
+    agent: str
+    gateway_url: str  # the gateway serving the agent (no /v1)
+    adapter_root: Path  # the gateway's adapter root: experts are written under it
+    admin_token: str | None = None
+    target: str | None = None  # a registered target environment, for held-out evaluation
+    target_seeds: Sequence[int] = ()  # its held-out tasks
+    # triggers
+    min_new_episodes: int = 50  # labeled episodes since the last cycle
+    max_failure_rate: float | None = None  # or: the recent failure rate reached this
+    every_seconds: float | None = None  # or: a schedule
+    # mining and synthesis
+    max_experts: int = 2  # capabilities trained per cycle, best ranked first
+    calibrate: bool = True
+    calibration_seeds: int = 8
+    calibration_samples: int = 4
+    calibration_attempts: int = 5
+    # training
+    preset: str = "cpu-small"
+    training: ExpertTrainingConfig | Mapping[str, Any] = field(default_factory=dict)
+    train_with_examples: bool = True  # behind the agent's own few-shot context, as it is served
+    model: str | None = None  # local base model dir; None is the embedded default
+    # routing: several experts are chosen by the base model as "classifier", or a learned "gate"
+    router: Literal["classifier", "gate"] = "classifier"
+    gate_seeds: int = 16  # practice tasks per environment the gate is fitted on
+    # evaluation, verdict, monitor
+    eval_seeds: int = 16  # held-out seeds per synthesized environment
+    margin: float = 0.0  # the candidate must beat the live one on the target by more than this
+    tolerance: float = 0.05  # no capability may fall more than this
+    retrain_below: float = 0.9  # a covered capability is retrained only when its expert scores below
+    monitor_window: int = 50  # episodes compared when monitoring
+    rollback_drop: float = 0.1  # roll back when live success falls this far below the previous
+    max_tokens: int = 160
+    lease_ttl: float = 30.0  # on SQLite, how long a killed improver keeps others out
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.training, ExpertTrainingConfig):
+            self.training = ExpertTrainingConfig.preset(self.preset, **dict(self.training))
+
+    @property
+    def expert_training(self) -> ExpertTrainingConfig:
+        """``training``, typed (``__post_init__`` made it a config; this holds if it was reassigned)."""
+        training = self.training
+        if not isinstance(training, ExpertTrainingConfig):
+            training = ExpertTrainingConfig.preset(self.preset, **dict(training))
+        return training

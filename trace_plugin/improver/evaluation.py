@@ -1,0 +1,144 @@
+"""Evaluation and the deploy verdict: the candidate against the live deployment, through the gateway.
+
+Candidates are served beside the live experts (a candidate router answers as
+``router:CYCLE``) and played on held-out seeds of every synthesized environment and on the
+target's held-out tasks; :func:`judge` lets only a clear improvement without regressions
+take the traffic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from trace_plugin.environments.base import Environment
+from trace_plugin.environments.catalog import env_factory
+from trace_plugin.environments.interpreter import SpecEnv
+from trace_plugin.environments.runner import ChatLoopAgent, EpisodeResult, Runner
+from trace_plugin.environments.synthesis import CapturedInterface
+from trace_plugin.improver.config import HELD_OUT_SEEDS
+from trace_plugin.improver.outputs import Evaluation, Routing, Scores, Summary, TargetScores, Verdict
+from trace_plugin.records.env_spec import EnvSpec
+from trace_plugin.records.outcome import reward_succeeds
+
+if TYPE_CHECKING:
+    from trace_plugin.improver.loop import Improver
+
+
+async def evaluate(improver: Improver, cycle: str, experts: dict[str, str], routing: Routing) -> Evaluation:
+    """Score the candidate router and its experts against the live deployment, through the gateway."""
+    config, console = improver.config, improver.console
+    live = improver.live()
+    adapters = await improver._load_candidates(experts)  # again: the gateway may have restarted
+    await improver.gateway.set_router(routing.router, name=cycle)
+    capabilities: dict[str, Scores] = {}
+    for capability, name in adapters.items():
+        spec = improver.spec(capability, experts)
+        seeds = list(HELD_OUT_SEEDS[: config.eval_seeds])
+        base = mean_reward(await improver._play_spec(spec, "base", seeds))
+        candidate = mean_reward(await improver._play_spec(spec, name, seeds))
+        current = mean_reward(await improver._play_spec(spec, "default", seeds)) if live else base
+        capabilities[capability] = Scores(base=base, current=current, candidate=candidate)
+        console.log(f"{capability}: base {base:.2f}, live {current:.2f}, candidate {candidate:.2f}")
+    target = None
+    if config.target_seeds:
+        target = TargetScores(
+            current=await improver.live_summary(),
+            candidate=summary(await improver.evaluator(f"router:{cycle}", list(config.target_seeds))),
+        )
+        console.log(f"target: live {target.current.success:.2f}, candidate {target.candidate.success:.2f}")
+    return Evaluation(adapters=adapters, router=routing.router, capabilities=capabilities, target=target)
+
+
+def live_key(deployment_id: str | None, seeds: Sequence[int]) -> str:
+    """The key of the live deployment's one measurement on these target tasks."""
+    return f"{deployment_id or 'base'}-{hashlib.sha256(str(list(seeds)).encode()).hexdigest()[:12]}"
+
+
+def judge(evaluation: Evaluation | Mapping[str, Any], *, margin: float, tolerance: float) -> Verdict:
+    """The deploy verdict: accept only a deployment that beats the live one on the target by
+    more than ``margin`` and lets no capability fall more than ``tolerance``; the reasons say
+    why not. ``evaluation`` is an :class:`Evaluation` or its stored form (only its
+    ``capabilities`` and ``target`` are read)."""
+    if isinstance(evaluation, Evaluation):
+        capabilities = {c: (s.current, s.candidate) for c, s in evaluation.capabilities.items()}
+        target = evaluation.target
+        success = (target.current.success, target.candidate.success) if target is not None else None
+    else:
+        capabilities = {c: (s["current"], s["candidate"]) for c, s in evaluation["capabilities"].items()}
+        stored = evaluation.get("target")
+        success = (stored["current"]["success"], stored["candidate"]["success"]) if stored else None
+    reasons = []
+    if success is not None:
+        current, candidate = success
+        if candidate - current <= margin:
+            reasons.append(f"target success {candidate:.2f} does not beat the live {current:.2f} by {margin}")
+    for capability, (current, candidate) in capabilities.items():
+        if candidate < current - tolerance:
+            reasons.append(f"{capability} regresses: {candidate:.2f} against the live {current:.2f}")
+    if success is None and not any(candidate > current for current, candidate in capabilities.values()):
+        reasons.append("no capability improved on its held-out seeds")
+    return Verdict(accept=not reasons, reasons=reasons)
+
+
+def summary(results: Sequence[EpisodeResult]) -> Summary:
+    """Episodes of one model on the target: the success rate, mean reward by task kind, each episode."""
+    by_kind: dict[str, list[float]] = {}
+    for r in results:
+        by_kind.setdefault(r.kind, []).append(r.reward.total)
+    return Summary(
+        n=len(results),
+        success=sum(reward_succeeds(r.reward.total) for r in results) / max(len(results), 1),
+        by_kind={k: sum(v) / len(v) for k, v in sorted(by_kind.items())},
+        episodes=[asdict(r) | {"reward": r.reward.total} for r in results],
+    )
+
+
+def _summary(results: Sequence[EpisodeResult]) -> dict[str, Any]:
+    """:func:`summary` in its stored form (the demo's report reads it)."""
+    return summary(results).to_dict()
+
+
+def mean_reward(results: Sequence[EpisodeResult]) -> float:
+    return sum(r.reward.total for r in results) / len(results)
+
+
+async def play_spec(
+    improver: Improver, spec: EnvSpec, model: str, seeds: Sequence[int]
+) -> list[EpisodeResult]:
+    """Play a synthesized environment as ``model`` through the gateway, as the expert was trained."""
+    config = improver.config
+    agent = ChatLoopAgent(
+        f"{config.gateway_url}/v1",
+        model,
+        agent=f"eval:{config.agent}",
+        max_tokens=config.max_tokens,
+        max_turns=config.expert_training.max_turns,  # the horizon the expert was trained on
+        examples=improver.examples(),
+        recorder=improver.recorder,
+    )
+    runner = Runner(
+        lambda: SpecEnv(spec), agent, concurrency=8, recorder=improver.recorder, console=improver.console
+    )
+    return await runner.run(seeds, description=f"{spec.name} as {model}")
+
+
+async def chat_evaluator(improver: Improver, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
+    """The default target evaluation: a chat loop with the agent's prompt and few-shot."""
+    config = improver.config
+    if config.target is None:
+        raise ValueError("target_seeds need a target environment")
+    factory: Callable[[], Environment] = env_factory(config.target, improver.store)
+    interface = CapturedInterface.from_store(improver.store, config.agent)
+    agent = ChatLoopAgent(
+        f"{config.gateway_url}/v1",
+        model,
+        agent=f"eval:{config.agent}",
+        max_tokens=config.max_tokens,
+        examples=interface.examples,
+        recorder=improver.recorder,
+    )
+    runner = Runner(factory, agent, concurrency=8, recorder=improver.recorder, console=improver.console)
+    return await runner.run(seeds, description=f"{config.target} as {model}")

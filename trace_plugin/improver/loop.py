@@ -1,0 +1,279 @@
+"""The improver itself: the lease, the persisted jobs, and one cycle through the stages."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar, cast
+
+from rich.console import Console
+
+from trace_plugin.environments.runner import EpisodeResult
+from trace_plugin.environments.synthesis import CapturedInterface
+from trace_plugin.gateway.admin import GatewayAdmin
+from trace_plugin.improver import evaluation, monitor, stages
+from trace_plugin.improver.config import ImproverConfig
+from trace_plugin.improver.errors import ImproverError
+from trace_plugin.improver.outputs import (
+    OUTPUTS,
+    CycleEnd,
+    Deployed,
+    Evaluation,
+    Mined,
+    Output,
+    Routing,
+    Summary,
+    Synthesized,
+    Trained,
+    Verdict,
+)
+from trace_plugin.recorder import Recorder, default_recorder
+from trace_plugin.records.deployment import Deployment
+from trace_plugin.records.env_spec import EnvSpec
+from trace_plugin.records.job import Job, job_id
+from trace_plugin.records.trajectory import new_id, utcnow
+from trace_plugin.store import Store
+from trace_plugin.store.lease import Lease, LeaseHeld
+from training.config import ExpertTrainingConfig
+
+# Runs the agent on ``seeds`` of the target, with the gateway serving it as ``model``.
+Evaluator = Callable[[str, Sequence[int]], Awaitable[list[EpisodeResult]]]
+OutputT = TypeVar("OutputT", bound=Output)
+
+
+class Improver:
+    def __init__(
+        self,
+        store: Store,
+        config: ImproverConfig,
+        *,
+        executor: Any = None,
+        evaluator: Evaluator | None = None,
+        recorder: Recorder | None = None,
+        console: Console | None = None,
+    ) -> None:
+        self.store, self.config = store, config
+        self.executor = executor
+        self.recorder = recorder or default_recorder()
+        self.console = console or Console()
+        self.gateway = GatewayAdmin(config.gateway_url, config.admin_token)
+        self.evaluator = evaluator or self._chat_evaluator
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def run_once(self, *, wait: float = 0.0) -> Deployment | None:
+        """One cycle (resuming an unfinished one); None when the cycle deploys nothing new.
+
+        Waits up to ``wait`` seconds for another improver of this agent (or the lease of a
+        killed one) to let go; LeaseHeld after that.
+        """
+        deadline = time.monotonic() + wait
+        lease = Lease(self.store, f"improver:{self.config.agent}", ttl=self.config.lease_ttl)
+        while True:
+            try:
+                lease.acquire()
+                break
+            except LeaseHeld:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(min(1.0, self.config.lease_ttl / 3))
+        try:
+            return asyncio.run(self._cycle(self._open_cycle()))
+        finally:
+            lease.release()
+
+    def watch(self, poll_seconds: float = 60.0) -> None:
+        """Monitor and improve until interrupted."""
+        while True:
+            self.monitor()
+            if self.due():
+                self.run_once(wait=poll_seconds)
+            time.sleep(poll_seconds)
+
+    def due(self) -> bool:
+        """Whether a trigger fired: new labeled episodes, the failure rate, or the schedule."""
+        return monitor.due(self)
+
+    def monitor(self) -> Deployment | None:
+        """Roll the live deployment back when its success rate fell below the previous one's."""
+        return monitor.monitor(self)
+
+    def _open_cycle(self) -> str:
+        running = [
+            j for j in self.store.jobs(self.config.agent) if j.stage == "cycle" and j.status == "running"
+        ]
+        if running:
+            self.console.log(f"resuming cycle {running[-1].cycle}")
+            return running[-1].cycle
+        cycle = utcnow().strftime("%Y%m%d%H%M%S") + "-" + new_id()[:6]
+        self.store.save_job(Job(self.config.agent, cycle, "cycle", "all"))
+        return cycle
+
+    async def _cycle(self, cycle: str) -> Deployment | None:
+        agent = self.config.agent
+        mined: Mined = await self._job(cycle, "mine", "all", lambda: stages.mine(self))
+        experts: dict[str, str] = {}
+        for capability in mined.train:
+            env: Synthesized = await self._job(
+                cycle, "synthesize", capability, lambda c=capability: self._synthesize(c)
+            )
+            if not env.trainable:
+                self.console.log(f"[yellow]{capability}: environment {env.status}; not trained[/]")
+                continue
+            trained: Trained = await self._job(
+                cycle, "train", capability, lambda c=capability, e=env: stages.train(self, cycle, c, e)
+            )
+            experts[capability] = trained.expert
+        if not experts:
+            self._finish(cycle, CycleEnd(deployed=None, reason="nothing to train"))
+            return None
+        routing: Routing = await self._job(cycle, "route", "all", lambda: self._route(experts))
+        scores: Evaluation = await self._job(
+            cycle, "evaluate", "all", lambda: evaluation.evaluate(self, cycle, experts, routing)
+        )
+        verdict: Verdict = await self._job(cycle, "verdict", "all", lambda: self._judge(scores))
+        # Recorded "rejected" until the deploy stage makes it live (a resumed cycle finds it).
+        stored = scores.to_dict()
+        deployment = next((d for d in self.store.deployments(agent) if d.id == cycle), None) or Deployment(
+            cycle,
+            agent,
+            "rejected",
+            adapters=dict(scores.adapters),
+            router=stored["router"],
+            evaluation=stored,
+            reasons=list(verdict.reasons),
+        )
+        if verdict.accept:
+            await self._job(cycle, "deploy", "all", lambda: self._deploy(deployment))
+        else:
+            self.store.save_deployment(deployment)
+            self.console.log(f"[yellow]deployment {cycle} rejected: {'; '.join(verdict.reasons)}[/]")
+        self._finish(cycle, CycleEnd(deployed=cycle if verdict.accept else None))
+        return deployment if verdict.accept else None
+
+    def _finish(self, cycle: str, end: CycleEnd) -> None:
+        job = self.store.job(job_id(cycle, "cycle", "all")) or Job(self.config.agent, cycle, "cycle", "all")
+        job.status, job.outputs, job.ended_at = "done", end.to_dict(), utcnow()
+        self.store.save_job(job)
+
+    async def _job(
+        self, cycle: str, stage: str, key: str, work: Callable[[], OutputT | Awaitable[OutputT]]
+    ) -> OutputT:
+        """Run ``work`` as a persisted job, or return what a finished run of it produced.
+
+        ``Job.outputs`` holds the stage's output (:data:`~trace_plugin.improver.outputs.OUTPUTS`)
+        as a dict; a done job's is read back as that type.
+        """
+        job = self.store.job(job_id(cycle, stage, key))
+        if job is not None and job.status == "done":
+            return cast(OutputT, OUTPUTS[stage].from_dict(job.outputs or {}))
+        if job is None:
+            job = Job(self.config.agent, cycle, stage, key)
+        else:  # it was running when its process died, or it failed: run it again
+            job.status, job.attempts, job.error, job.started_at = "running", job.attempts + 1, None, utcnow()
+        self.store.save_job(job)
+        self.console.rule(f"[bold]{stage}[/] {key if key != 'all' else ''}")
+        try:
+            result = work()
+            outputs = await result if asyncio.iscoroutine(result) else result
+        except Exception as exc:
+            job.status, job.error, job.ended_at = "failed", f"{type(exc).__name__}: {exc}", utcnow()
+            self.store.save_job(job)
+            raise
+        if not isinstance(outputs, OUTPUTS[stage]):
+            raise ImproverError(
+                f"stage {stage} returned {type(outputs).__name__}, not {OUTPUTS[stage].__name__}"
+            )
+        job.status, job.outputs, job.ended_at = "done", outputs.to_dict(), utcnow()
+        self.store.save_job(job)
+        return cast(OutputT, outputs)
+
+    # -- stages (methods where a subclass or a test steps in) ----------------------------------
+
+    async def _synthesize(self, capability: str) -> Synthesized:
+        return await stages.synthesize(self, capability)
+
+    async def _load_candidates(self, experts: dict[str, str]) -> dict[str, str]:
+        return await stages.load_candidates(self, experts)
+
+    async def _route(self, experts: dict[str, str]) -> Routing:
+        return await stages.route(self, experts)
+
+    async def learned_router(
+        self, adapters: dict[str, str], experts: dict[str, str] | None = None
+    ) -> Routing:
+        """The candidate learned gate over ``adapters`` (see :func:`stages.learned_router`)."""
+        return await stages.learned_router(self, adapters, experts)
+
+    def _judge(self, scores: Evaluation) -> Verdict:
+        verdict = evaluation.judge(scores, margin=self.config.margin, tolerance=self.config.tolerance)
+        self.console.log(
+            ("[green]accepted[/]" if verdict.accept else "[red]rejected[/]") + f": {verdict.to_dict()}"
+        )
+        return verdict
+
+    async def _deploy(self, deployment: Deployment) -> Deployed:
+        return await stages.deploy(self, deployment)
+
+    async def _play_spec(self, spec: EnvSpec, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
+        return await evaluation.play_spec(self, spec, model, seeds)
+
+    async def _chat_evaluator(self, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
+        return await evaluation.chat_evaluator(self, model, seeds)
+
+    async def live_summary(self) -> Summary:
+        """The live deployment on the target's held-out tasks, measured once per deployment."""
+        live = self.live()
+        seeds = list(self.config.target_seeds)
+
+        async def measure() -> Summary:
+            return evaluation.summary(await self.evaluator("default", seeds))
+
+        return await self._job(
+            "evaluations", "target", evaluation.live_key(live.id if live else None, seeds), measure
+        )
+
+    async def evaluate_live(self) -> dict[str, Any]:
+        """:meth:`live_summary` in its stored form: ``n``, ``success``, ``by_kind``, ``episodes``."""
+        return (await self.live_summary()).to_dict()
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def training_config(self, **overrides: Any) -> ExpertTrainingConfig:
+        """The ExpertTrainingConfig it trains with (the config's), with ``overrides``."""
+        return dataclasses.replace(self.config.expert_training, **overrides)
+
+    def examples(self) -> list[dict[str, Any]]:
+        """The agent's own few-shot context, which experts train and are measured behind."""
+        return (
+            CapturedInterface.from_store(self.store, self.config.agent).examples
+            if self.config.train_with_examples
+            else []
+        )
+
+    def live(self) -> Deployment | None:
+        """The agent's live deployment, if any."""
+        live = self.store.deployments(self.config.agent, status="live")
+        return live[-1] if live else None
+
+    def spec(self, capability: str, experts: dict[str, str] | None = None) -> EnvSpec:
+        """The environment ``capability``'s expert trained in: this cycle's (``experts``:
+        capability -> expert id) or else the latest ready one's."""
+        expert = self.store.expert(experts[capability]) if experts and capability in experts else None
+        if expert is None:
+            expert = next(
+                (
+                    e
+                    for e in reversed(self.store.experts(self.config.agent, status="ready"))
+                    if e.capability == capability
+                ),
+                None,
+            )
+        if expert is None:
+            raise ImproverError(f"no ready expert of {capability!r} for {self.config.agent!r}")
+        record = self.store.env_spec(expert.env_name, expert.env_version)
+        if record is None:
+            raise ImproverError(f"environment {expert.env_name} v{expert.env_version} is not in the store")
+        return record.spec

@@ -1,0 +1,184 @@
+"""What each stage of a cycle hands the next: typed, and stored as a dict in its job row.
+
+A stage returns one of these dataclasses; :meth:`Output.to_dict` is what ``Job.outputs``
+holds (the store speaks only plain records), and :meth:`Output.from_dict` is what a resumed
+cycle reads back, so a stage that finished before a kill is never run again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel
+
+from trace_plugin.records.router_spec import RouterSpec, parse_router_spec
+
+T = TypeVar("T", bound="Output")
+OMIT_NONE = {"omit_none": True}  # a field left out of the stored dict when it is None
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    if is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.name: _plain(getattr(value, f.name))
+            for f in fields(value)
+            if not (f.metadata.get("omit_none") and getattr(value, f.name) is None)
+        }
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+class Output:
+    """A stage's result (or a part of one): a dataclass stored as ``Job.outputs``."""
+
+    stage: ClassVar[str]  # the stage that returns it, for the top-level ones
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Mined(Output):
+    """Which capabilities mining selected, which the live deployment covers, which to train."""
+
+    stage: ClassVar[str] = "mine"
+    selected: list[str]
+    covered: list[str]
+    train: list[str]
+
+
+@dataclass(frozen=True)
+class Synthesized(Output):
+    """The environment a capability's expert trains in, and whether it may."""
+
+    stage: ClassVar[str] = "synthesize"
+    TRAINABLE: ClassVar[tuple[str, ...]] = ("validated", "out_of_band")
+    env: str
+    version: int
+    status: str
+
+    @property
+    def trainable(self) -> bool:
+        return self.status in self.TRAINABLE
+
+
+@dataclass(frozen=True)
+class Trained(Output):
+    stage: ClassVar[str] = "train"
+    expert: str  # the expert's id
+    adapter: str  # its adapter directory
+    reward_curve: list[float]
+
+
+@dataclass(frozen=True)
+class GateFit(Output):
+    """How a learned gate was fitted: on how many practice tasks, and which choice won them."""
+
+    tasks: int
+    labels: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Routing(Output):
+    """The candidate router; for a learned gate, how it was fitted."""
+
+    stage: ClassVar[str] = "route"
+    router: RouterSpec
+    gate: GateFit | None = field(default=None, metadata=OMIT_NONE)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Routing:
+        gate = data.get("gate")
+        return cls(parse_router_spec(data["router"]), GateFit.from_dict(gate) if gate else None)
+
+
+@dataclass(frozen=True)
+class Scores(Output):
+    """One capability's mean reward on its held-out seeds."""
+
+    base: float
+    current: float  # the live deployment (the base model when there is none)
+    candidate: float
+
+
+@dataclass(frozen=True)
+class Summary(Output):
+    """Episodes of one model on the target's tasks: how many, the success rate, by task kind."""
+
+    stage: ClassVar[str] = "target"
+    n: int
+    success: float
+    by_kind: dict[str, float]
+    episodes: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class TargetScores(Output):
+    current: Summary
+    candidate: Summary
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TargetScores:
+        return cls(Summary.from_dict(data["current"]), Summary.from_dict(data["candidate"]))
+
+
+@dataclass(frozen=True)
+class Evaluation(Output):
+    """The candidate against the live deployment: per capability, and on the target."""
+
+    stage: ClassVar[str] = "evaluate"
+    adapters: dict[str, str]  # capability -> served name, the live experts and this cycle's
+    router: RouterSpec
+    capabilities: dict[str, Scores]
+    target: TargetScores | None = field(default=None, metadata=OMIT_NONE)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Evaluation:
+        target = data.get("target")
+        return cls(
+            dict(data["adapters"]),
+            parse_router_spec(data["router"]),
+            {c: Scores.from_dict(s) for c, s in data["capabilities"].items()},
+            TargetScores.from_dict(target) if target is not None else None,
+        )
+
+
+@dataclass(frozen=True)
+class Verdict(Output):
+    """Whether the candidate may take the traffic, and if not, why not."""
+
+    stage: ClassVar[str] = "verdict"
+    accept: bool
+    reasons: list[str]
+
+
+@dataclass(frozen=True)
+class Deployed(Output):
+    stage: ClassVar[str] = "deploy"
+    deployment: str
+
+
+@dataclass(frozen=True)
+class CycleEnd(Output):
+    """What a cycle came to: the deployment it made live, or None and why."""
+
+    stage: ClassVar[str] = "cycle"
+    deployed: str | None
+    reason: str | None = field(default=None, metadata=OMIT_NONE)
+
+
+# What a done job of each stage holds, for a resumed cycle to read back.
+OUTPUTS: dict[str, type[Output]] = {
+    o.stage: o
+    for o in (Mined, Synthesized, Trained, Routing, Evaluation, Verdict, Deployed, Summary, CycleEnd)
+}

@@ -1,0 +1,198 @@
+"""The stages of a cycle that build a candidate: mine, synthesize, train, route; and deploy.
+
+Each takes the improver (its store, config and gateway) and typed inputs, and returns the
+typed output (:mod:`trace_plugin.improver.outputs`) its job stores. Every stage is
+idempotent when re-run after a kill: what it writes is keyed by ids derived from the cycle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from trace_plugin.environments.catalog import chat_player, prepare_environment
+from trace_plugin.environments.validation import Band
+from trace_plugin.gateway.adapters import split_name
+from trace_plugin.improver.config import CALIBRATION_SEEDS_START, GATE_SEEDS, TRAINING_SEEDS
+from trace_plugin.improver.errors import DeployError, ImproverError
+from trace_plugin.improver.outputs import Deployed, GateFit, Mined, Routing, Synthesized, Trained
+from trace_plugin.mining.miner import OfflineMiner
+from trace_plugin.records.deployment import Deployment
+from trace_plugin.records.env_spec import EnvSpec
+from trace_plugin.records.expert import Expert
+from trace_plugin.records.router_spec import ClassifierSpec, ExpertEntry, RouterSpec, StaticSpec
+from trace_plugin.store import Store
+
+if TYPE_CHECKING:
+    from trace_plugin.improver.loop import Improver
+
+
+def mine(improver: Improver) -> Mined:
+    """Mine the agent's traffic; train the best selected capabilities the live deployment lacks."""
+    capabilities = OfflineMiner(improver.store).mine(improver.config.agent)
+    selected = [c.name for c in capabilities if c.selected]
+    live = improver.live()
+    covered = set(live.adapters) if live else set()
+    train = [c for c in selected if c not in covered][: improver.config.max_experts]
+    improver.console.log(f"selected {selected or 'nothing'}; training {train or 'nothing'}")
+    return Mined(selected=selected, covered=sorted(covered), train=train)
+
+
+async def synthesize(improver: Improver, capability: str) -> Synthesized:
+    """The capability's environment, synthesized and (optionally) calibrated on the base model."""
+    store, config = improver.store, improver.config
+    found = [c for c in store.capabilities(config.agent) if c.name == capability]
+    if len(found) != 1:
+        raise ImproverError(f"capability {capability!r} is not in the latest mining pass of {config.agent!r}")
+    [found_capability] = found
+    # Stored already when a run was killed before its job was recorded done: not twice.
+    mined = {"name": found_capability.name, "mining_run": found_capability.mining_run}
+    record = next((r for r in store.env_specs(config.agent) if r.report.get("capability") == mined), None)
+    if record is None:
+        training = config.expert_training
+        play = None
+        if config.calibrate:
+            play = chat_player(
+                f"{config.gateway_url}/v1",
+                "base",
+                agent=f"calibration:{config.agent}",
+                max_tokens=training.max_completion_length,  # as training will generate
+                max_turns=training.max_turns,
+                examples=improver.examples(),
+                recorder=improver.recorder,
+            )
+        record = await prepare_environment(
+            store,
+            config.agent,
+            found_capability,
+            play=play,
+            seeds=range(CALIBRATION_SEEDS_START, CALIBRATION_SEEDS_START + config.calibration_seeds),
+            samples=config.calibration_samples,
+            band=Band(attempts=config.calibration_attempts),
+            hint_fraction=training.hint_fraction,
+            progress=improver.console.log,
+        )
+    improver.console.log(f"{record.spec.name} v{record.version}: {record.status}")
+    return Synthesized(env=record.spec.name, version=record.version, status=record.status)
+
+
+def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> Trained:
+    """Train the capability's expert in its environment (the executor may run it elsewhere)."""
+    from training.executors import LocalExecutor, TrainingJob
+
+    store, config = improver.store, improver.config
+    record = store.env_spec(env.env, env.version)
+    if record is None:
+        raise ImproverError(f"environment {env.env} v{env.version} is not in the store")
+    expert_id = derived_id(cycle, capability)
+    output = config.adapter_root / capability / expert_id
+    training = improver.training_config(output_dir=str(output))
+    expert = store.expert(expert_id) or Expert(
+        config.agent,
+        capability,
+        record.spec.name,
+        record.version,
+        base_model=str(config.model or "embedded"),
+        base_model_hash="",
+        config=training.to_dict(),
+        id=expert_id,
+    )
+    store.save_expert(expert)
+    job = TrainingJob(
+        record.spec.model_dump(mode="json", by_alias=True),
+        list(TRAINING_SEEDS),
+        training.to_dict(),
+        config.model,
+        improver.examples(),
+    )
+    try:
+        [result] = (improver.executor or LocalExecutor()).run([job])
+    except Exception:
+        expert.status = "failed"
+        store.save_expert(expert)
+        raise
+    expert.status, expert.reward_curve = "ready", list(result.reward_curve)
+    expert.adapter_path, expert.adapter_sha256 = str(result.adapter_dir), result.adapter_sha256
+    expert.base_model, expert.base_model_hash = str(result.base_model), result.base_model_sha256
+    store.save_expert(expert)
+    return Trained(expert=expert_id, adapter=str(output), reward_curve=list(result.reward_curve))
+
+
+async def load_candidates(improver: Improver, experts: dict[str, str]) -> dict[str, str]:
+    """The live experts plus this cycle's, every one loaded: capability -> served name."""
+    live = improver.live()
+    adapters = dict(live.adapters) if live else {}
+    for capability, expert_id in experts.items():
+        expert = improver.store.expert(expert_id)
+        if expert is None or not expert.adapter_path:
+            raise ImproverError(f"expert {expert_id} ({capability}) has no trained adapter to load")
+        await improver.gateway.ensure_adapter(expert.adapter_name, expert.adapter_path)
+        adapters[capability] = expert.adapter_name
+    return adapters
+
+
+async def route(improver: Improver, experts: dict[str, str]) -> Routing:
+    """The candidate router: a gate fitted to which choice (the base model or an expert)
+    won each practice task; or else one expert takes everything, several are classified."""
+    adapters = await improver._load_candidates(experts)
+    if improver.config.router != "gate":
+        return Routing(router=router_spec(adapters, improver.store, improver.config.agent))
+    return await improver.learned_router(adapters, experts)
+
+
+async def learned_router(
+    improver: Improver, adapters: dict[str, str], experts: dict[str, str] | None = None
+) -> Routing:
+    """A learned gate over the base model and ``adapters`` (capability -> served name),
+    fitted on practice tasks of their environments: which choice won each.
+
+    ``experts`` (capability -> expert id) names this cycle's experts; any other
+    capability's environment is its latest ready expert's.
+    """
+    from training.gate import fit_gate
+
+    async def play(spec: EnvSpec, model: str, seeds: Sequence[int]) -> list[float]:
+        return [r.reward.total for r in await improver._play_spec(spec, model, seeds)]
+
+    names = {capability: split_name(name)[0] for capability, name in adapters.items()}
+    router, report = await fit_gate(
+        [improver.spec(capability, experts) for capability in names],
+        list(names.values()),
+        play,
+        improver.gateway.embed,
+        list(GATE_SEEDS[: improver.config.gate_seeds]),
+    )
+    improver.console.log(f"gate fitted on {report['tasks']} practice tasks: {report['labels']}")
+    return Routing(router=router, gate=GateFit(tasks=report["tasks"], labels=report["labels"]))
+
+
+def router_spec(adapters: dict[str, str], store: Store, agent: str) -> RouterSpec:
+    """One expert takes every request; several are chosen by the base model as classifier."""
+    names = {capability: split_name(name)[0] for capability, name in adapters.items()}
+    if len(names) == 1:
+        return StaticSpec(adapter=next(iter(names.values())))
+    descriptions = {c.name: c.description for c in store.capabilities(agent)}
+    experts = [
+        ExpertEntry(adapter=n, name=c, description=descriptions.get(c, c)) for c, n in sorted(names.items())
+    ]
+    return ClassifierSpec(experts=experts, threshold=0.5)
+
+
+async def deploy(improver: Improver, deployment: Deployment) -> Deployed:
+    """Switch the live router; confirm the gateway serves exactly what was evaluated."""
+    gateway = improver.gateway
+    for name in deployment.adapters.values():
+        if name not in await gateway.adapters():
+            raise DeployError(f"adapter {name} is not loaded; refusing to switch traffic")
+    await gateway.set_router(deployment.router)
+    if await gateway.router() != deployment.router:
+        raise DeployError("the gateway did not take the new router")
+    improver.store.make_live(deployment)
+    improver.console.log(f"[green]deployed {deployment.id}[/]: {deployment.adapters}")
+    return Deployed(deployment=deployment.id)
+
+
+def derived_id(cycle: str, capability: str) -> str:
+    """An expert's id, the same whenever the cycle is resumed."""
+    return hashlib.sha256(f"{cycle}/{capability}".encode()).hexdigest()[:16]
