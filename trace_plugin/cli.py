@@ -589,7 +589,7 @@ def improve(
     admin_token: Annotated[str | None, typer.Option(envvar="TRACE_PLUGIN_ADMIN_TOKEN")] = None,
     db: DbOption = None,
 ) -> None:
-    """Mine, synthesize, train, gate and deploy, once or continuously (one improver per agent)."""
+    """Mine, synthesize, train, judge and deploy, once or continuously (one improver per agent)."""
     from trace_plugin.improver import Improver, ImproverConfig
     from trace_plugin.recorder import configure
     from trace_plugin.store.lease import LeaseHeld

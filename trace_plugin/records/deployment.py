@@ -1,6 +1,6 @@
 """A deployment: the experts and router version an agent is served with, and why.
 
-Every improvement cycle that reaches the gate records one: ``rejected`` (with the gate's
+Every improvement cycle that reaches the verdict records one: ``rejected`` (with the verdict's
 reasons) or ``live``. A new live deployment supersedes the previous one; a rollback marks
 it ``rolled_back`` and brings the previous one back. The gateway stamps the adapter
 version on every episode it serves, which is what monitoring compares.
