@@ -11,7 +11,8 @@ from trace_plugin.chat_template import REPLY_FORBIDDEN
 from trace_plugin.environments.retail import TEST_SEEDS, RetailEnv
 from trace_plugin.gateway.backend import SamplingParams
 from trace_plugin.gateway.embedded import EmbeddedBackend
-from trace_plugin.gateway.prefix_cache import PrefixCache, boundary_cut, common_length, continuation_batch
+from trace_plugin.gateway.prefix_cache import PrefixCache, boundary_cut
+from trace_plugin.generation import common_length, continuation_batch
 from training.lora import random_adapter
 
 TURN = 1  # the boundary token in the pure tests

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, TrainerCallback
 from trace_plugin.chat_template import render
 from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall
 from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
+from trace_plugin.generation import shared_prefix_length
 from trace_plugin.model_files import prepare_tokenizer, resolve_model
 from training.experts import (
     ADAPTER_WEIGHTS,
@@ -26,7 +27,6 @@ from training.experts import (
     evaluate,
     file_sha256,
     hf_generate,
-    shared_prefix_length,
     weights_sha256,
 )
 from training.lora import is_noop, random_adapter

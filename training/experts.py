@@ -58,7 +58,7 @@ from transformers import GenerationConfig, PrinterCallback, TrainerCallback
 
 from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE, forbidden_token_ids, render
 from trace_plugin.environments.base import Environment, Task, ToolCall
-from trace_plugin.gateway.prefix_cache import common_length, continuation_batch
+from trace_plugin.generation import generate_batch, shared_prefix, until_eos
 from trace_plugin.model_files import load_model, resolve_model
 from trace_plugin.tool_calls import parse_completion
 from training.config import ExpertTrainingConfig
@@ -207,7 +207,8 @@ def hf_generate(
     A batch's prompts open alike (the policy, tool schemas and worked examples; a group's
     ticket too, on every turn), and on a CPU that prompt costs more than the reply. With
     ``share_prefix`` the common opening runs once and every row continues from its keys
-    and values, as the gateway's prefix cache does for served requests.
+    and values (:func:`trace_plugin.generation.shared_prefix`), on the generation core the
+    gateway's embedded backend serves requests with.
     """
     sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
     config = GenerationConfig(
@@ -222,44 +223,15 @@ def hf_generate(
         out: list[list[int]] = []
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
-            skip = shared_prefix_length(chunk) if share_prefix else 0
-            ids, mask = continuation_batch(chunk, skip, tokenizer.pad_token_id)
             with torch.no_grad():
-                cache = {"cache": _prefill(model, chunk[0][:skip], len(chunk))} if skip else {}
-                result = model.generate(
-                    input_ids=torch.tensor(ids, device=model.device),
-                    attention_mask=torch.tensor(mask, device=model.device),
-                    generation_config=config,
-                    **cache,
+                skip, cache = shared_prefix(model, chunk) if share_prefix else (0, None)
+                result, width = generate_batch(
+                    model, chunk, tokenizer.pad_token_id, skip=skip, cache=cache, generation_config=config
                 )
-            width = len(ids[0])
-            out += [_until_eos(row[width:].tolist(), tokenizer.eos_token_id) for row in result]
+            out += [until_eos(row[width:].tolist(), tokenizer.eos_token_id) for row in result]
         return out
 
     return generate
-
-
-def shared_prefix_length(rows: Sequence[Sequence[int]], min_tokens: int = 64) -> int:
-    """How many leading tokens all ``rows`` share, leaving each at least one to run; 0 if
-    fewer than ``min_tokens`` (a prefill of its own would not pay)."""
-    shared = min(min(common_length(rows[0], row) for row in rows), min(map(len, rows)) - 1)
-    return shared if shared >= min_tokens else 0
-
-
-def _prefill(model: Any, prefix: Sequence[int], batch: int) -> Any:
-    """The keys and values of ``prefix``, one copy per row of the batch."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    model(
-        input_ids=torch.tensor([prefix], device=model.device), cache=cache, use_cache=True, logits_to_keep=1
-    )
-    cache.batch_repeat_interleave(batch)
-    return cache
-
-
-def _until_eos(ids: list[int], eos: int) -> list[int]:
-    return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
 def _vllm_generate(trainer: Any) -> Generate:
@@ -272,8 +244,7 @@ def _vllm_generate(trainer: Any) -> Generate:
         )
         # A stop on EOS must end with EOS, as it does with transformers, for the turn to count as finished.
         return [
-            ids + [eos] if len(ids) < limit and eos not in ids else _until_eos(ids, eos)
-            for ids in completions
+            ids + [eos] if len(ids) < limit and eos not in ids else until_eos(ids, eos) for ids in completions
         ]
 
     return generate

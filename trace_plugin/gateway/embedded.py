@@ -21,8 +21,9 @@ from typing import Any
 
 from trace_plugin.chat_template import forbidden_token_ids, render
 from trace_plugin.gateway.backend import BackendError, Completion, SamplingParams
-from trace_plugin.gateway.prefix_cache import Ids, PrefixCache, continuation_batch
+from trace_plugin.gateway.prefix_cache import PrefixCache
 from trace_plugin.gateway.stops import StopMatcher
+from trace_plugin.generation import Ids, Layers, generate_batch, layers, prefill, stacked_cache, until_eos
 from trace_plugin.model_files import load_model, resolve_model
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -184,16 +185,12 @@ class EmbeddedBackend:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         with self._torch, torch.inference_mode():
             skip, cache = self._cached_prefix(rows, adapters)
-            if cache is not None:
-                kwargs["cache"] = cache
-            input_ids, mask = continuation_batch(rows, skip, kwargs["pad_token_id"])
-            width = len(input_ids[0])
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             routing, route = self._route(adapters)
             with routing:
-                out = self.model.generate(
-                    input_ids=torch.tensor(input_ids), attention_mask=torch.tensor(mask), **kwargs, **route
+                out, width = generate_batch(
+                    self.model, rows, kwargs["pad_token_id"], skip=skip, cache=cache, **kwargs, **route
                 )
         return [
             self._completion(sequence[width:].tolist(), list(ids), out, row, params, stops)
@@ -209,9 +206,6 @@ class EmbeddedBackend:
         """
         if self.prefix_cache is None:
             return 0, None
-        import torch
-        from transformers import DynamicCache
-
         found = []
         for i, (ids, adapter) in enumerate(zip(rows, adapters, strict=True)):
             entry = self.prefix_cache.longest(adapter, ids)
@@ -229,31 +223,14 @@ class EmbeddedBackend:
         skip = min(len(prefix) for prefix, _ in found)
         stats.hits += len(rows)
         stats.tokens_reused += skip * len(rows)
-        layers = [
-            tuple(torch.cat([kv[layer][part][:, :, :skip] for _, kv in found]) for part in (0, 1))
-            for layer in range(len(found[0][1]))
-        ]
-        return skip, DynamicCache(ddp_cache_data=layers, config=self.model.config)
+        return skip, stacked_cache(self.model, [kv for _, kv in found], skip)
 
-    def _prefill(
-        self, prefix: Ids, adapter: str | None, base: tuple[Ids, Any] | None
-    ) -> list[tuple[Any, Any]]:
+    def _prefill(self, prefix: Ids, adapter: str | None, base: tuple[Ids, Any] | None) -> Layers:
         """The keys and values of ``prefix`` under ``adapter``, continuing from ``base``'s."""
-        import torch
-        from transformers import DynamicCache
-
         start = len(base[0]) if base else 0
-        cache = DynamicCache(ddp_cache_data=base[1] if base else None, config=self.model.config)
         routing, route = self._route([adapter])
         with routing:
-            self.model(
-                input_ids=torch.tensor([prefix[start:]]),
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-                **route,
-            )
-        return [(layer.keys, layer.values) for layer in cache.layers]
+            return layers(prefill(self.model, prefix[start:], past=base[1] if base else None, **route))
 
     def _route(self, adapters: list[str | None]) -> tuple[contextlib.AbstractContextManager, dict[str, Any]]:
         """How to run rows through their adapters: a context to run in, and model kwargs.
@@ -284,10 +261,8 @@ class EmbeddedBackend:
         params: SamplingParams,
         stops: StopMatcher | None,
     ) -> Completion:
-        finish = "length"
-        if self._eos_id in ids:
-            ids = ids[: ids.index(self._eos_id) + 1]  # keep the stop token: training needs it
-            finish = "stop"
+        finish = "stop" if self._eos_id in ids else "length"
+        ids = until_eos(ids, self._eos_id)  # keep the stop token: training needs it
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         cut = stops.cut(text) if stops is not None else None
         if cut is not None:

@@ -11,7 +11,8 @@ A prefix is cut at a message boundary (just before an ``<|im_start|>``) inside t
 prefix a prompt shares with a recent one, so one entry serves every ticket of an agent and
 another each conversation's earlier turns. Entries are per adapter: a LoRA on the
 attention projections changes the keys and values. Only the choice of prefixes is here
-(pure functions of token ids); the tensors stay opaque to this module.
+(pure functions of token ids); the tensors stay opaque to this module, and running a
+batch on them is :mod:`trace_plugin.generation`'s.
 """
 
 from __future__ import annotations
@@ -21,16 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-Ids = tuple[int, ...]
-
-
-def common_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+from trace_plugin.generation import Ids, common_length
 
 
 def boundary_cut(ids: Sequence[int], length: int, boundary: int) -> int:
@@ -39,20 +31,6 @@ def boundary_cut(ids: Sequence[int], length: int, boundary: int) -> int:
         if ids[i] == boundary:
             return i
     return 0
-
-
-def continuation_batch(
-    rows: Sequence[Sequence[int]], skip: int, pad: int
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Input ids and attention mask for a batch run on ``skip`` cached prefix tokens.
-
-    Each row is its cached prefix, left padding, then the tokens still to run: the cache
-    holds every row's prefix at the same positions, and the mask keeps the padding out.
-    """
-    width = max(map(len, rows))
-    ids = [[*row[:skip], *[pad] * (width - len(row)), *row[skip:]] for row in rows]
-    mask = [[1] * skip + [0] * (width - len(row)) + [1] * (len(row) - skip) for row in rows]
-    return ids, mask
 
 
 @dataclass(slots=True)

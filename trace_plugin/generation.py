@@ -1,0 +1,138 @@
+"""Prefix-sharing generation with transformers: the one core under serving and training.
+
+The embedded gateway backend (``trace_plugin.gateway.embedded``) and GRPO rollouts
+(``training.experts``) both generate for batches of token-id prompts that open alike: an
+agent's policy, tool schemas and worked examples, a group's ticket, a conversation's
+earlier turns. On a CPU that opening costs more than the reply, so both run it once and
+every row continues from its keys and values:
+
+- :func:`prefill`: the keys and values of a prefix, continuing from a shorter one's;
+- :func:`shared_prefix`: a batch's own common opening, run once and repeated per row
+  (training); the gateway keeps prefixes across requests instead
+  (:class:`~trace_plugin.gateway.prefix_cache.PrefixCache`) and joins its rows' entries
+  with :func:`stacked_cache`;
+- :func:`generate_batch`: ``model.generate`` over the rows' remaining tokens, left-padded
+  after the cached prefix (:func:`continuation_batch`).
+
+Sampling settings, stopping, adapters and gradient mode are the callers'. torch and
+transformers are imported on use, so the pure helpers cost nothing to import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+Ids = tuple[int, ...]
+# A cache's keys and values, per layer: what a prefix's entry holds.
+Layers = list[tuple[Any, Any]]
+
+
+def common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def shared_prefix_length(rows: Sequence[Sequence[int]], min_tokens: int = 64) -> int:
+    """How many leading tokens all ``rows`` share, leaving each at least one to run; 0 if
+    fewer than ``min_tokens`` (a prefill of its own would not pay)."""
+    shared = min(min(common_length(rows[0], row) for row in rows), min(map(len, rows)) - 1)
+    return shared if shared >= min_tokens else 0
+
+
+def continuation_batch(
+    rows: Sequence[Sequence[int]], skip: int, pad: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Input ids and attention mask for a batch run on ``skip`` cached prefix tokens.
+
+    Each row is its cached prefix, left padding, then the tokens still to run: the cache
+    holds every row's prefix at the same positions, and the mask keeps the padding out.
+    """
+    width = max(map(len, rows))
+    ids = [[*row[:skip], *[pad] * (width - len(row)), *row[skip:]] for row in rows]
+    mask = [[1] * skip + [0] * (width - len(row)) + [1] * (len(row) - skip) for row in rows]
+    return ids, mask
+
+
+def until_eos(ids: list[int], eos: int) -> list[int]:
+    """``ids`` up to and including the first ``eos`` (all of them when there is none)."""
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+def prefill(model: Any, ids: Sequence[int], *, past: Layers | None = None, **model_kwargs: Any) -> Any:
+    """A ``DynamicCache`` holding the keys and values of ``past`` followed by ``ids`` (one row).
+
+    ``model_kwargs`` go to the forward pass (a PEFT mixed batch's ``adapter_names``).
+    """
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(ddp_cache_data=past, config=model.config)
+    model(
+        input_ids=torch.tensor([ids], device=model.device),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+        **model_kwargs,
+    )
+    return cache
+
+
+def layers(cache: Any) -> Layers:
+    """A ``DynamicCache``'s keys and values per layer, as :func:`prefill` continues from them."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def shared_prefix(model: Any, rows: Sequence[Sequence[int]], min_tokens: int = 64) -> tuple[int, Any]:
+    """The tokens every row of the batch can skip, and their keys and values run once and
+    repeated per row (0 and None when they share too little: :func:`shared_prefix_length`)."""
+    skip = shared_prefix_length(rows, min_tokens)
+    if not skip:
+        return 0, None
+    cache = prefill(model, rows[0][:skip])
+    cache.batch_repeat_interleave(len(rows))
+    return skip, cache
+
+
+def stacked_cache(model: Any, entries: Sequence[Layers], skip: int) -> Any:
+    """One batch cache from each row's prefix entry (row i: ``entries[i]``), all cut to
+    their first ``skip`` tokens."""
+    import torch
+    from transformers import DynamicCache
+
+    stacked = [
+        tuple(torch.cat([kv[layer][part][:, :, :skip] for kv in entries]) for part in (0, 1))
+        for layer in range(len(entries[0]))
+    ]
+    return DynamicCache(ddp_cache_data=stacked, config=model.config)
+
+
+def generate_batch(
+    model: Any,
+    rows: Sequence[Sequence[int]],
+    pad: int,
+    *,
+    skip: int = 0,
+    cache: Any = None,
+    **generate_kwargs: Any,
+) -> tuple[Any, int]:
+    """``model.generate`` over ``rows``, their first ``skip`` tokens already in ``cache``.
+
+    Returns what ``generate`` returned and the width of the input: each row's new tokens
+    start there. ``generate_kwargs`` are ``generate``'s (sampling, stopping, adapters).
+    """
+    import torch
+
+    ids, mask = continuation_batch(rows, skip, pad)
+    if cache is not None:
+        generate_kwargs["cache"] = cache
+    out = model.generate(
+        input_ids=torch.tensor(ids, device=model.device),
+        attention_mask=torch.tensor(mask, device=model.device),
+        **generate_kwargs,
+    )
+    return out, len(ids[0])
