@@ -23,7 +23,7 @@ from training.experts import (
     EpisodePlayer,
     ExpertTrainer,
     ExpertTrainingConfig,
-    Rollouts,
+    RolloutFunction,
     evaluate,
     file_sha256,
     hf_generate,
@@ -195,7 +195,9 @@ def test_rollouts_resample_flat_groups_then_drop_them(tokenizer):
         tokenizer, lambda text: echo_policy(text) if "Hint:" in text or "<tool_response>" in text else "No."
     )
     hint = lambda task: "Echo it." if task.seed % 2 == 0 else None  # noqa: E731
-    rollouts = Rollouts(config, player, seeds=[1, 2, 3, 5, 7], hint=hint, generate=lambda trainer: policy)
+    rollouts = RolloutFunction(
+        config, player, seeds=[1, 2, 3, 5, 7], hint=hint, generate=lambda trainer: policy
+    )
     trainer = SimpleNamespace(state=SimpleNamespace(global_step=0))
 
     out = rollouts([json.dumps({"seed": 2})] * 2 + [json.dumps({"seed": 1})] * 2, trainer)
@@ -222,7 +224,7 @@ def test_resampling_finds_signal_on_a_fresh_seed(tokenizer):
         tokenizer, lambda text: echo_policy(text) if "Hint:" in text or "<tool_response>" in text else "No."
     )
     hint = lambda task: "Echo it." if task.seed == 4 else None  # noqa: E731
-    rollouts = Rollouts(config, player, seeds=[1, 4], hint=hint, generate=lambda trainer: policy)
+    rollouts = RolloutFunction(config, player, seeds=[1, 4], hint=hint, generate=lambda trainer: policy)
     out = rollouts([json.dumps({"seed": 1})] * 2, SimpleNamespace(state=SimpleNamespace(global_step=5)))
     assert out["env_reward"] == [1.0, 0.0] and 1 in out["env_mask"][0]
     assert "My number is 4." in tokenizer.decode(out["prompt_ids"][0])

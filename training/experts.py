@@ -14,7 +14,8 @@ and the TRACE recipe need three things the other two cannot give:
   invent per step; ours is ``env.reward(answer).total``, a verifier of the whole episode.
 
 So :class:`EpisodePlayer` plays whole episodes, all rollouts of a batch in lockstep with
-one batched ``generate`` per turn, and the rollout function returns, per rollout, the
+one batched ``generate`` per turn, each a :class:`Rollout`, and the rollout function
+(:class:`RolloutFunction`) returns, per rollout, the
 un-hinted prompt ids, the completion ids (model turns and tool results interleaved) with
 an ``env_mask`` that keeps tool-result tokens out of the loss, and the episode reward for
 the reward function to pass through. TRL then computes the group advantages and the loss.
@@ -60,6 +61,7 @@ from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE, forbidden_token_ids, 
 from trace_plugin.environments.base import Environment, Task, ToolCall
 from trace_plugin.generation import generate_batch, shared_prefix, until_eos
 from trace_plugin.model_files import load_model, resolve_model
+from trace_plugin.records.outcome import reward_succeeds
 from trace_plugin.tool_calls import parse_completion
 from training.config import ExpertTrainingConfig
 from training.lora import ADAPTER_WEIGHTS
@@ -79,8 +81,11 @@ RESULT_FILE = "expert.json"
 
 
 @dataclass(slots=True)
-class Episode:
-    """One rollout as the loss sees it, and what the environment made of it."""
+class Rollout:
+    """One episode played for training, as the loss sees it, and what the environment made of it.
+
+    Not :class:`trace_plugin.records.trajectory.Episode`, the stored record of an agent's run.
+    """
 
     seed: int
     prompt_ids: list[int]  # the un-hinted prompt: what the loss conditions on
@@ -119,35 +124,35 @@ class EpisodePlayer:
 
     def play(
         self, seeds: Sequence[int], hints: Sequence[HintValue | None], generate: Generate
-    ) -> list[Episode]:
+    ) -> list[Rollout]:
         envs = [self.env_factory() for _ in seeds]
-        episodes, contexts = [], []
+        rollouts, contexts = [], []
         for env, seed, hint in zip(envs, seeds, hints, strict=True):
             task = env.reset(seed)
             prompt_ids = self._prompt_ids(env, task.prompt)
-            episodes.append(Episode(seed, prompt_ids, hinted=hint is not None))
+            rollouts.append(Rollout(seed, prompt_ids, hinted=hint is not None))
             if isinstance(hint, list):
                 contexts.append(self._prompt_ids(env, task.prompt, hint))
             else:
                 contexts.append(
                     self._prompt_ids(env, f"{task.prompt}\n\nHint: {hint}") if hint else prompt_ids
                 )
-        active = list(range(len(episodes)))
+        active = list(range(len(rollouts)))
         for turn in range(1, self.max_turns + 1):
             if not active:
                 break
-            outputs = generate([contexts[i] + episodes[i].completion_ids for i in active])
+            outputs = generate([contexts[i] + rollouts[i].completion_ids for i in active])
             still = []
             for i, ids in zip(active, outputs, strict=True):
-                episode, env = episodes[i], envs[i]
-                episode.completion_ids += ids
-                episode.env_mask += [1] * len(ids)
-                episode.turns = turn
+                rollout, env = rollouts[i], envs[i]
+                rollout.completion_ids += ids
+                rollout.env_mask += [1] * len(ids)
+                rollout.turns = turn
                 stopped = bool(ids) and ids[-1] == self.eos
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 parsed = parse_completion(text, truncated=not stopped)
                 if not (stopped and parsed.tool_calls):
-                    episode.answer = parsed.content or ""
+                    rollout.answer = parsed.content or ""
                     continue
                 observations = [self._observe(env, call) for call in parsed.tool_calls]
                 if env.done or turn == self.max_turns:
@@ -155,13 +160,13 @@ class EpisodePlayer:
                 suffix = self.tokenizer(self._tool_suffix(observations), add_special_tokens=False)[
                     "input_ids"
                 ]
-                episode.completion_ids += suffix
-                episode.env_mask += [0] * len(suffix)
+                rollout.completion_ids += suffix
+                rollout.env_mask += [0] * len(suffix)
                 still.append(i)
             active = still
-        for episode, env in zip(episodes, envs, strict=True):
-            episode.reward = float(env.reward(episode.answer).total)
-        return episodes
+        for rollout, env in zip(rollouts, envs, strict=True):
+            rollout.reward = float(env.reward(rollout.answer).total)
+        return rollouts
 
     def _prompt_ids(self, env: Environment, user: str, turns: Sequence[dict[str, Any]] = ()) -> list[int]:
         messages = [{"role": "system", "content": env.system_prompt}, *self.examples, *turns]
@@ -253,7 +258,7 @@ def _vllm_generate(trainer: Any) -> Generate:
 # -- the rollout function TRL calls ---------------------------------------------------------------
 
 
-class Rollouts:
+class RolloutFunction:
     """TRL's ``rollout_func`` and reward function for one environment.
 
     Dataset rows only name a seed (``{"seed": 17}``); the conversation is built here.
@@ -294,30 +299,30 @@ class Rollouts:
         for i in flat:
             # Still no signal: drop the group. It would add zero to the loss and, masked, zero to the
             # normalizer, so it is replaced by a one-token stub that costs no forward/backward pass.
-            for episode in groups[i]:
-                episode.prompt_ids, episode.completion_ids, episode.env_mask = (
-                    episode.prompt_ids[-1:],
+            for rollout in groups[i]:
+                rollout.prompt_ids, rollout.completion_ids, rollout.env_mask = (
+                    rollout.prompt_ids[-1:],
                     [eos],
                     [0],
                 )
-        episodes = [e for g in groups for e in g]
-        unhinted = [e.reward for e in episodes if not e.hinted]
+        rollouts = [r for g in groups for r in g]
+        unhinted = [r.reward for r in rollouts if not r.hinted]
         self._stats = {
-            "episodes/success": sum(e.reward >= 1.0 for e in episodes) / len(episodes),
+            "episodes/success": sum(reward_succeeds(r.reward) for r in rollouts) / len(rollouts),
             "episodes/unhinted_reward": sum(unhinted) / len(unhinted) if unhinted else math.nan,
-            "episodes/hinted_fraction": sum(e.hinted for e in episodes) / len(episodes),
-            "episodes/turns": sum(e.turns for e in episodes) / len(episodes),
+            "episodes/hinted_fraction": sum(r.hinted for r in rollouts) / len(rollouts),
+            "episodes/turns": sum(r.turns for r in rollouts) / len(rollouts),
             "dynamic_sampling/zero_signal_groups": zero_signal,
             "dynamic_sampling/resampled_groups": resampled,
             "dynamic_sampling/dropped_groups": len(flat),
             "timing/rollout_seconds": time.monotonic() - start,
         }
         return {
-            "prompt_ids": [e.prompt_ids for e in episodes],
-            "completion_ids": [e.completion_ids for e in episodes],
+            "prompt_ids": [r.prompt_ids for r in rollouts],
+            "completion_ids": [r.completion_ids for r in rollouts],
             "logprobs": None,
-            "env_mask": [e.env_mask for e in episodes],
-            "env_reward": [e.reward for e in episodes],
+            "env_mask": [r.env_mask for r in rollouts],
+            "env_reward": [r.reward for r in rollouts],
         }
 
     def env_reward(
@@ -329,7 +334,7 @@ class Rollouts:
                 log_metric(name, float(value))
         return list(env_reward)
 
-    def _play_group(self, seed: int, rng: random.Random, generate: Generate) -> list[Episode]:
+    def _play_group(self, seed: int, rng: random.Random, generate: Generate) -> list[Rollout]:
         size, hint = self.config.num_generations, None
         if self.hint is not None:
             hint = self.hint(self._task(seed)) if callable(self.hint) else self.hint
@@ -343,8 +348,8 @@ class Rollouts:
         return self._tasks[seed]
 
 
-def _flat(group: list[Episode]) -> bool:
-    return len({e.reward for e in group}) == 1
+def _flat(group: list[Rollout]) -> bool:
+    return len({r.reward for r in group}) == 1
 
 
 # -- the loss pass --------------------------------------------------------------------------------
@@ -558,7 +563,7 @@ class ExpertTrainer:
                 share_prefix=config.share_prompt,
             )
 
-        rollouts = Rollouts(config, player, self.seeds, self.hint, backend)
+        rollouts = RolloutFunction(config, player, self.seeds, self.hint, backend)
         # Prompts are plain strings naming a seed: no chat-format schema for datasets to merge.
         dataset = Dataset.from_dict({"prompt": [json.dumps({"seed": s}) for s in self.seeds]})
         with warnings.catch_warnings():
@@ -692,10 +697,10 @@ def evaluate(
     rewards: dict[int, float] = {}
     for start in range(0, len(seeds), batch_size):
         chunk = seeds[start : start + batch_size]
-        for episode in player.play(chunk, [None] * len(chunk), generate):
-            rewards[episode.seed] = episode.reward
+        for rollout in player.play(chunk, [None] * len(chunk), generate):
+            rewards[rollout.seed] = rollout.reward
     n = max(len(rewards), 1)
-    return EvalResult(sum(rewards.values()) / n, sum(r >= 1.0 for r in rewards.values()) / n, rewards)
+    return EvalResult(sum(rewards.values()) / n, sum(map(reward_succeeds, rewards.values())) / n, rewards)
 
 
 def file_sha256(path: Path) -> str:
