@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 
-from integrations.vllm import VLLMBackend
 from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.server import free_port, start_in_thread
+from trace_plugin.gateway.vllm import VLLMBackend
 from trace_plugin.model_files import resolve_model
 from training.lora import random_adapter
 

@@ -8,11 +8,11 @@ import pytest
 from load import swap_under_load
 from openai import OpenAI
 
-from integrations.vllm import VLLMBackend
 from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.backend import BackendError
 from trace_plugin.gateway.embedded import EmbeddedBackend
 from trace_plugin.gateway.server import start_in_thread
+from trace_plugin.gateway.vllm import VLLMBackend
 from training.lora import random_adapter
 
 pytestmark = pytest.mark.slow

@@ -184,7 +184,7 @@ def serve(
     from trace_plugin.recorder import configure
 
     if vllm_url:
-        from integrations.vllm import VLLMBackend
+        from trace_plugin.gateway.vllm import VLLMBackend
 
         backend: Any = VLLMBackend(vllm_url, model=model)
     else:

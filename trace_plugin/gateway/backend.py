@@ -1,7 +1,7 @@
 """What the gateway needs from a model server: prompts in, completions out, LoRA adapters.
 
 Two implementations speak this protocol: the embedded CPU backend (transformers + PEFT,
-``trace_plugin.gateway.embedded``) and a real vLLM server (``integrations.vllm``). The
+``trace_plugin.gateway.embedded``) and a real vLLM server (``trace_plugin.gateway.vllm``). The
 gateway renders chat prompts with the shared tool template and parses tool calls itself,
 so both backends only ever see plain text prompts and produce the same tokens.
 """
