@@ -23,6 +23,7 @@ from langchain_core.runnables import Runnable
 from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tracers.context import register_configure_hook
 
+from trace_plugin.capture import register_framework
 from trace_plugin.conversations import served_by
 from trace_plugin.payload import Shaped
 from trace_plugin.records.trajectory import Step, StepKind, utcnow
@@ -357,3 +358,28 @@ def current_episode_id() -> str | None:
             if episode_id is not None:
                 return episode_id
     return None
+
+
+class LangGraphFramework:
+    """What ``trace_plugin.capture`` does with LangGraph graphs and LangChain runnables."""
+
+    def accepts(self, target: Any) -> bool:
+        return hasattr(target, "with_config")
+
+    def handler(self, tracer: Tracer) -> TraceCallbackHandler:
+        return TraceCallbackHandler(tracer)
+
+    def attach(self, target: Runnable, handler: TraceCallbackHandler) -> Runnable:
+        return attach(target, handler)
+
+    def activate(self, handler: TraceCallbackHandler) -> Any:
+        return activate(handler)
+
+    def deactivate(self, token: Any) -> None:
+        deactivate(token)
+
+    def current_episode_id(self) -> str | None:
+        return current_episode_id()
+
+
+register_framework(__name__, LangGraphFramework())

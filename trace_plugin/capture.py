@@ -10,21 +10,66 @@ Three forms, all with the same options::
     with trace_plugin.capture(agent="support"):  # around any LangChain/LangGraph calls
         graph.invoke(...)
 
-The graph needs no other change. The LangGraph integration is imported only when a
-capture is applied, so ``import trace_plugin`` stays free of LangChain.
+The graph needs no other change. This module knows no framework: what a capture does to a
+graph comes from a :class:`Framework` that an integration registers when it is imported.
+The LangGraph one (``integrations.langgraph``) is imported only when a capture is first
+applied, so ``import trace_plugin`` stays free of LangChain.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
-import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from trace_plugin.recorder import Recorder
 from trace_plugin.records.trajectory import check_agent_name
 from trace_plugin.tracer import RewardFn, Tracer
+
+
+class Framework(Protocol):
+    """An agent framework's side of a capture, as its integration implements it."""
+
+    def accepts(self, target: Any) -> bool:
+        """Whether ``target`` is a graph or runnable of this framework."""
+        ...
+
+    def handler(self, tracer: Tracer) -> Any:
+        """The framework's callback handler recording its runs through ``tracer``."""
+        ...
+
+    def attach(self, target: Any, handler: Any) -> Any:
+        """``target`` with ``handler`` bound to every run of it."""
+        ...
+
+    def activate(self, handler: Any) -> Any:
+        """Make ``handler`` see every run in this context; returns what :meth:`deactivate` takes."""
+        ...
+
+    def deactivate(self, token: Any) -> None: ...
+
+    def current_episode_id(self) -> str | None:
+        """The episode of the framework's run executing now, if it is one being recorded."""
+        ...
+
+
+# The framework ``capture`` applies to, imported when a capture is first applied; it
+# registers itself. Others may register too: each is asked for the current episode.
+DEFAULT_FRAMEWORK = "integrations.langgraph"
+_frameworks: dict[str, Framework] = {}
+
+
+def register_framework(name: str, framework: Framework) -> None:
+    """Called by an integration on import (``name`` is its module's)."""
+    _frameworks[name] = framework
+
+
+def _default_framework() -> Framework:
+    if DEFAULT_FRAMEWORK not in _frameworks:
+        importlib.import_module(DEFAULT_FRAMEWORK)
+    return _frameworks[DEFAULT_FRAMEWORK]
 
 
 class Capture:
@@ -56,9 +101,7 @@ class Capture:
 
     def handler(self, default_agent: str = "default") -> Any:
         """A LangChain callback handler recording into this capture's agent."""
-        from integrations.langgraph import TraceCallbackHandler
-
-        return TraceCallbackHandler(Tracer(self.agent or default_agent, **self._tracer_options))
+        return _default_framework().handler(Tracer(self.agent or default_agent, **self._tracer_options))
 
     # -- decorator ----------------------------------------------------------------------
 
@@ -80,27 +123,22 @@ class Capture:
         return self._attach(target, getattr(target, "name", None) or type(target).__name__)
 
     def _attach(self, runnable: Any, default_agent: str) -> Any:
-        from integrations.langgraph import attach
-
-        if not hasattr(runnable, "with_config"):
+        framework = _default_framework()
+        if not framework.accepts(runnable):
             raise TypeError(
                 f"trace_plugin.capture expects a LangGraph graph or LangChain runnable, "
                 f"got {type(runnable).__name__}"
             )
-        return attach(runnable, self.handler(default_agent))
+        return framework.attach(runnable, self.handler(default_agent))
 
     # -- context manager ----------------------------------------------------------------
 
     def __enter__(self) -> Capture:
-        from integrations.langgraph import activate
-
-        self._tokens.append(activate(self.handler()))
+        self._tokens.append(_default_framework().activate(self.handler()))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        from integrations.langgraph import deactivate
-
-        deactivate(self._tokens.pop())
+        _default_framework().deactivate(self._tokens.pop())
 
     async def __aenter__(self) -> Capture:
         return self.__enter__()
@@ -124,5 +162,8 @@ def capture(target: Any = None, /, **options: Any) -> Any:
 
 def current_episode_id() -> str | None:
     """The id of the episode being recorded around the caller (a node, tool or model)."""
-    langgraph = sys.modules.get("integrations.langgraph")
-    return langgraph.current_episode_id() if langgraph else None
+    for framework in list(_frameworks.values()):
+        episode_id = framework.current_episode_id()
+        if episode_id is not None:
+            return episode_id
+    return None
