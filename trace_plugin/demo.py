@@ -15,9 +15,10 @@ Every number is measured in this run; nothing is fixed in advance.
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib.util
 import json
 import shutil
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -219,14 +220,17 @@ def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | No
     return report
 
 
+@functools.cache
 def _support_agent_module() -> Any:
-    """The example agent lives in the source checkout's ``examples/``, not in the package."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "examples" / "support_agent" / "agent.py").is_file():
+    """The example agent lives in the source checkout's ``examples/``, not in the package: it
+    is loaded from its file, once, without putting the checkout on ``sys.path``."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "support_agent" / "agent.py"
+    if not path.is_file():
         raise SystemExit("the demo runs from a source checkout (it uses examples/support_agent)")
-    sys.path.insert(0, str(root))
-    from examples.support_agent import agent
-
+    spec = importlib.util.spec_from_file_location("trace_plugin_demo_support_agent", path)
+    assert spec is not None and spec.loader is not None
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
     return agent
 
 
