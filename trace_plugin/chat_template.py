@@ -59,6 +59,12 @@ def forbidden_token_ids(tokenizer: Any, words: tuple[str, ...] = REPLY_FORBIDDEN
     return [tokenizer(word, add_special_tokens=False).input_ids for word in words]
 
 
+def gate_input(request: str) -> str:
+    """What the gate embeds: the request in a frame that asks for the skill it needs, so
+    the last token's hidden state summarizes that (one place, for training and serving)."""
+    return f"Customer request: {request[:1000]}\nThe skill this request needs most is"
+
+
 def content_text(content: Any) -> str:
     """Message content as one string (text parts joined; None is empty)."""
     if content is None:

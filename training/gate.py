@@ -16,8 +16,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from trace_plugin.chat_template import gate_input
 from trace_plugin.environments.interpreter import SpecEnv
-from trace_plugin.gateway.routing import gate_input
 from trace_plugin.records.env_spec import EnvSpec
 from trace_plugin.records.router_spec import GateSpec
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from trace_plugin.chat_template import content_text
+from trace_plugin.chat_template import content_text, gate_input
 from trace_plugin.gateway.backend import Backend, SamplingParams
 from trace_plugin.records.router_spec import (
     ClassifierSpec,
@@ -186,12 +186,6 @@ class ClassifierRouter:
                 choice = self.experts[self.letters.index(letter)].adapter
         self._decisions.put(request, choice)
         return choice
-
-
-def gate_input(request: str) -> str:
-    """What the gate embeds: the request in a frame that asks for the skill it needs, so
-    the last token's hidden state summarizes that (one place, for training and serving)."""
-    return f"Customer request: {request[:1000]}\nThe skill this request needs most is"
 
 
 class GateRouter:
