@@ -32,6 +32,7 @@ import trace_plugin
 from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv
 from trace_plugin.environments.runner import EpisodeResult, LangGraphAgent, Runner, summarize
 from trace_plugin.improver import Improver, ImproverConfig, _summary
+from trace_plugin.records.outcome import reward_succeeds
 from trace_plugin.store import Store, data_dir
 
 AGENT = "support-agent"
@@ -180,13 +181,14 @@ def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | No
     finally:
         stack.stop()
 
+    traffic_success = sum(reward_succeeds(r.reward.total) for r in traffic_results) / len(traffic_results)
     report = {
         "preset": preset_name,
         "settings": asdict(preset),
         "model": backend.model_id,
         "before": _strip(before),
         "after": _strip(after),
-        "traffic_success": sum(r.reward.total >= 1 for r in traffic_results) / len(traffic_results),
+        "traffic_success": traffic_success,
         "capabilities": [
             {
                 "name": c.name,
