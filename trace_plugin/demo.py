@@ -4,7 +4,7 @@
 2. run the example LangGraph support agent (the one-line decorator) on the retail test
    split: the "before" number;
 3. run it on the train split: production traffic, captured with its rewards;
-4. improve: mine, synthesize and validate, train, gate, hot-swap into the running gateway;
+4. improve: mine, synthesize and validate, train, judge, hot-swap into the running gateway;
 5. run the same agent on the same test tasks again;
 6. print before/after per task kind and per capability; write a markdown report and a plot.
 
@@ -31,7 +31,7 @@ from rich.table import Table
 import trace_plugin
 from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv
 from trace_plugin.environments.runner import EpisodeResult, LangGraphAgent, Runner, summarize
-from trace_plugin.improver import Improver, ImproverConfig, _summary
+from trace_plugin.improver import Improver, ImproverConfig, summary
 from trace_plugin.records.outcome import reward_succeeds
 from trace_plugin.store import Store, data_dir
 
@@ -160,7 +160,7 @@ def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | No
     try:
         console.rule("[bold]2. before: the support agent on the test split")
         mark = time.monotonic()
-        before = asyncio.run(improver.evaluate_live())
+        before = asyncio.run(improver.live_summary()).to_dict()
         timings["before"] = time.monotonic() - mark
 
         console.rule("[bold]3. production traffic: the train split")
@@ -169,14 +169,14 @@ def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | No
         console.print(summarize(traffic_results, "Captured traffic"))
         timings["traffic"] = time.monotonic() - mark
 
-        console.rule("[bold]4. improve: mine, synthesize, train, gate, deploy")
+        console.rule("[bold]4. improve: mine, synthesize, train, route, evaluate, deploy")
         mark = time.monotonic()
         deployment = improver.run_once()
         timings["improve"] = time.monotonic() - mark
 
         console.rule("[bold]5. after: the same agent, same test tasks")
         mark = time.monotonic()
-        after = _summary(asyncio.run(stack.evaluate("default", test)))
+        after = summary(asyncio.run(stack.evaluate("default", test))).to_dict()
         timings["after"] = time.monotonic() - mark
     finally:
         stack.stop()

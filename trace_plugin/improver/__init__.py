@@ -24,7 +24,7 @@ deployment's and rolls back when it fell.
 
 from trace_plugin.improver.config import GATE_SEEDS, HELD_OUT_SEEDS, TRAINING_SEEDS, ImproverConfig
 from trace_plugin.improver.errors import DeployError, ImproverError
-from trace_plugin.improver.evaluation import _summary, judge, summary
+from trace_plugin.improver.evaluation import judge, summary
 from trace_plugin.improver.loop import Evaluator, Improver
 from trace_plugin.improver.outputs import (
     CycleEnd,
@@ -63,7 +63,6 @@ __all__ = [
     "TargetScores",
     "Trained",
     "Verdict",
-    "_summary",
     "judge",
     "router_spec",
     "summary",

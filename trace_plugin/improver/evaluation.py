@@ -96,11 +96,6 @@ def summary(results: Sequence[EpisodeResult]) -> Summary:
     )
 
 
-def _summary(results: Sequence[EpisodeResult]) -> dict[str, Any]:
-    """:func:`summary` in its stored form (the demo's report reads it)."""
-    return summary(results).to_dict()
-
-
 def mean_reward(results: Sequence[EpisodeResult]) -> float:
     return sum(r.reward.total for r in results) / len(results)
 

@@ -235,10 +235,6 @@ class Improver:
             "evaluations", "target", evaluation.live_key(live.id if live else None, seeds), measure
         )
 
-    async def evaluate_live(self) -> dict[str, Any]:
-        """:meth:`live_summary` in its stored form: ``n``, ``success``, ``by_kind``, ``episodes``."""
-        return (await self.live_summary()).to_dict()
-
     # -- helpers --------------------------------------------------------------------------------
 
     def training_config(self, **overrides: Any) -> ExpertTrainingConfig:
