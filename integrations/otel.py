@@ -33,6 +33,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.util.types import AttributeValue
 
 from trace_plugin import __version__
+from trace_plugin.errors import TracePluginError
 from trace_plugin.records.trajectory import Episode, Step
 from trace_plugin.store import Store
 
@@ -172,6 +173,10 @@ def export_episodes(
     return exported
 
 
+class ExportError(TracePluginError, RuntimeError):
+    """The OTLP exporter refused a batch of spans."""
+
+
 class _OtlpSink:
     """A provider whose spans we send in batches ourselves.
 
@@ -191,7 +196,7 @@ class _OtlpSink:
         spans = self.buffer.get_finished_spans()
         self.buffer.clear()
         if spans and self.exporter.export(spans) is not SpanExportResult.SUCCESS:
-            raise RuntimeError(
+            raise ExportError(
                 f"OTLP export of {len(spans)} span(s) failed; the opentelemetry log above says why"
             )
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI
 
+from trace_plugin.errors import TracePluginError
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -42,6 +44,10 @@ class RunningServer:
         self.stop()
 
 
+class ServerStartError(TracePluginError, RuntimeError):
+    """The server thread died or did not listen in time."""
+
+
 def start_in_thread(
     app: FastAPI, host: str = "127.0.0.1", port: int | None = None, timeout: float = 30
 ) -> RunningServer:
@@ -52,6 +58,6 @@ def start_in_thread(
     deadline = time.monotonic() + timeout
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"gateway did not start on {host}:{port}")
+            raise ServerStartError(f"gateway did not start on {host}:{port}")
         time.sleep(0.02)
     return RunningServer(server, thread, host, port)

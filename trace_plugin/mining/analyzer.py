@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from trace_plugin.errors import TracePluginError
 from trace_plugin.mining.detectors import Trajectory
 from trace_plugin.mining.miner import MAX_EXAMPLES, _metrics, involved, outcome
 from trace_plugin.mining.selection import DEFAULT_RULE, Label, Run, SelectionRule, select
@@ -127,7 +128,7 @@ class Analysis:
     stats: Stats
 
 
-class _Invalid(ValueError):
+class _Invalid(TracePluginError, ValueError):
     """An answer that cannot be used; its message tells the model what to fix."""
 
 
