@@ -35,7 +35,7 @@ from rich.table import Table
 
 from trace_plugin import Recorder
 from trace_plugin.chat_template import REPLY_FORBIDDEN
-from trace_plugin.environments.retail import TEST_SEEDS, RetailEnv
+from trace_plugin.environments.retail import TEST_SEEDS, TOOLS, RetailEnv
 from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.backend import SamplingParams
 from trace_plugin.gateway.embedded import EmbeddedBackend
@@ -174,15 +174,7 @@ def stop_list_stall(url: str, model: str, rounds: int) -> tuple[float, float]:
 
 def agent_prompts(backend: EmbeddedBackend, n: int) -> list[str]:
     """The support agent's opening prompts (policy, tool schemas, a ticket) for ``n`` test seeds."""
-    prompts = []
-    for seed in list(TEST_SEEDS)[:n]:
-        env = RetailEnv()
-        messages = [
-            {"role": "system", "content": env.system_prompt},
-            {"role": "user", "content": env.reset(seed).prompt},
-        ]
-        prompts.append(backend.render(messages, env.tools))
-    return prompts
+    return [backend.render(RetailEnv().opening(seed), TOOLS) for seed in list(TEST_SEEDS)[:n]]
 
 
 def prefix_cache_speedup(backend: EmbeddedBackend, rounds: int, max_tokens: int) -> tuple[float, float]:

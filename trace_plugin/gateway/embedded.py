@@ -24,7 +24,7 @@ from trace_plugin.gateway.backend import BackendError, Completion, SamplingParam
 from trace_plugin.gateway.prefix_cache import PrefixCache
 from trace_plugin.gateway.stops import StopMatcher
 from trace_plugin.generation import Ids, Layers, generate_batch, layers, prefill, stacked_cache, until_eos
-from trace_plugin.model_files import load_model, resolve_model
+from trace_plugin.model_files import Precision, load_model, resolve_model
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 
@@ -48,13 +48,14 @@ class EmbeddedBackend:
         batch_window_s: float = 0.005,
         max_lora_rank: int = 64,
         prefix_cache: int = 8,
+        precision: Precision = "float32",
     ) -> None:
         self.model_dir = resolve_model(model)
         self.model_id = self.model_dir.name
         self.max_batch = max_batch
         self.batch_window_s = batch_window_s
         self.max_lora_rank = max_lora_rank
-        self.model, self.tokenizer = load_model(self.model_dir)
+        self.model, self.tokenizer = load_model(self.model_dir, precision=precision)
         self.context: int | None = getattr(self.model.config, "max_position_embeddings", None)
         # No token decodes to more characters than the longest vocabulary entry: a prompt
         # longer than context x that cannot fit, and is refused before it is tokenized.
@@ -269,11 +270,13 @@ class EmbeddedBackend:
             text, finish = cut, "stop"
         logprobs = top = None
         if params.logprobs:
-            logprobs = [float(out.logits[i][row].log_softmax(-1)[token]) for i, token in enumerate(ids)]
+            logprobs = [
+                float(out.logits[i][row].float().log_softmax(-1)[token]) for i, token in enumerate(ids)
+            ]
         if params.top_logprobs:
             top = []
             for i in range(len(ids)):
-                values, indices = out.logits[i][row].log_softmax(-1).topk(params.top_logprobs)
+                values, indices = out.logits[i][row].float().log_softmax(-1).topk(params.top_logprobs)
                 tokens = self.tokenizer.convert_ids_to_tokens(indices.tolist())
                 text_of = self.tokenizer.convert_tokens_to_string
                 top.append({text_of([t]): float(v) for t, v in zip(tokens, values, strict=True)})
