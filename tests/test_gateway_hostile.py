@@ -107,6 +107,11 @@ def chat(**extra: Any) -> dict[str, Any]:
     return {"model": "scripted", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, **extra}
 
 
+def asking(parts: list[Any]) -> dict[str, Any]:
+    """A chat request whose user message is made of content ``parts``."""
+    return chat(messages=[{"role": "user", "content": parts}])
+
+
 def completion(**extra: Any) -> dict[str, Any]:
     return {"model": "scripted", "prompt": "Once upon a time", "max_tokens": 1, **extra}
 
@@ -300,6 +305,27 @@ def test_the_embedded_stop_criterion_stops_rows_at_the_token_completing_a_stop(t
     one, many = StopMatcher(decoy_stops(1)), StopMatcher(decoy_stops(2000))
     cost_one, cost_many = lines_run(lambda: run(one)), lines_run(lambda: run(many))
     assert cost_many < 1.5 * cost_one, (cost_one, cost_many)
+
+
+def test_a_text_part_that_is_not_text_is_a_400_whatever_router_is_live(client):
+    """Found by the property test: with a keyword router live, a dict as a text part's
+    text reached the router's text join and was a 500."""
+    live = client.get("/v1/router").json()
+    assert client.post("/v1/router", json={"kind": "keyword", "rules": []}).status_code == 200
+    try:
+        for text in ({"a": 1.0}, ["x"], 5):
+            parts = [{"type": "text", "text": text}]
+            response = client.post(
+                "/v1/chat/completions", json=chat(messages=[{"role": "user", "content": parts}])
+            )
+            assert_openai_error(response, 400)
+        image = [{"type": "image_url", "image_url": {"url": "data:,"}}, {"type": "text", "text": "Hi"}]
+        response = client.post(
+            "/v1/chat/completions", json=chat(messages=[{"role": "user", "content": image}])
+        )
+        assert response.status_code == 200, response.text
+    finally:
+        client.post("/v1/router", json=live)
 
 
 # -- completions are recorded ------------------------------------------------------------

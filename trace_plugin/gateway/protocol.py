@@ -44,9 +44,18 @@ class ToolCall(_Lenient):
     function: FunctionCall
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content. Text parts reach the model (and the routers), so
+    their text must be a string; other parts pass through as sent."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
