@@ -32,6 +32,7 @@ from trace_plugin.recorder import Recorder  # noqa: E402
 from trace_plugin.tracer import Tracer  # noqa: E402
 
 log = logging.getLogger("trace_plugin")
+HOLD_S = 30.0  # the longest a call waits for an earlier, still unlogged one
 
 
 class TraceLogger(CustomLogger):
@@ -46,7 +47,8 @@ class TraceLogger(CustomLogger):
         self._recorder, self._redact = recorder, redact
         self.episodes = ConversationEpisodes(self._tracer_for)
         self._order = itertools.count()
-        self._pending: dict[str, int] = {}  # litellm_call_id -> order, announced but not logged
+        # litellm_call_id -> (order, when announced), for calls announced but not logged yet
+        self._pending: dict[str, tuple[int, float]] = {}
         self._held: list[tuple[int, ModelCall]] = []  # logged before the calls made earlier
         self._idle = threading.Condition()
 
@@ -83,7 +85,7 @@ class TraceLogger(CustomLogger):
         call_id = kwargs.get("litellm_call_id")
         if call_id:
             with self._idle:
-                self._pending[call_id] = next(self._order)
+                self._pending[call_id] = (next(self._order), time.monotonic())
 
     def log_success_event(self, kwargs, response_obj, start_time, end_time) -> None:
         self._record(kwargs, response_obj, start_time, end_time, error=None)
@@ -104,20 +106,22 @@ class TraceLogger(CustomLogger):
         except Exception:  # capture must never break the caller
             log.exception("trace-plugin: could not record a litellm call")
         with self._idle:
-            order = self._pending.pop(kwargs.get("litellm_call_id"), None)
+            order, _ = self._pending.pop(kwargs.get("litellm_call_id"), (next(self._order), None))
             if call is not None:
-                self._held.append((next(self._order) if order is None else order, call))
+                self._held.append((order, call))
             self._release(everything=False)
             self._idle.notify_all()
 
     def _release(self, *, everything: bool) -> None:
         """Record, in call order, each held call whose place is settled or that no
-        earlier unlogged call could settle. Runs under ``self._idle``."""
+        earlier unlogged call could settle. A call unlogged for ``HOLD_S`` holds nothing back
+        (litellm may never log it). Runs under ``self._idle``."""
         self._held.sort(key=lambda held: held[0])
+        recent = time.monotonic() - HOLD_S
         progress = True
         while progress and self._held:
             progress = False
-            first_unlogged = min(self._pending.values(), default=None)
+            first_unlogged = min((o for o, at in self._pending.values() if at > recent), default=None)
             for index, (order, call) in enumerate(self._held):
                 earlier = first_unlogged is not None and first_unlogged < order
                 if everything or not earlier or self.episodes.placed(call):

@@ -122,9 +122,8 @@ def _logged(call_id, messages, reply):
     return kwargs, response
 
 
-def test_a_conversation_logged_out_of_order_is_one_episode(tmp_path):
-    """litellm logs sync calls on pool threads, so a conversation's second call can reach
-    the logger first; it must still continue the first call's episode."""
+def _two_call_conversation(tmp_path):
+    """A recorder, a logger, and a tool-calling conversation's two calls, announced in order."""
     recorder = Recorder(f"sqlite:///{tmp_path / 'trace.db'}")
     recorder.store.upgrade()
     logger = TraceLogger(agent="lite", recorder=recorder)
@@ -132,15 +131,21 @@ def test_a_conversation_logged_out_of_order_is_one_episode(tmp_path):
     asked = {
         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_order", "arguments": "{}"}}]
     }
-    first = _logged("a", opening, asked)
     follow_up = [
         *opening,
         {"role": "assistant", **asked},
         {"role": "tool", "tool_call_id": "c1", "content": "shipped"},
     ]
-    second = _logged("b", follow_up, {"content": "It shipped."})
-    for kwargs, _ in (first, second):
+    calls = _logged("a", opening, asked), _logged("b", follow_up, {"content": "It shipped."})
+    for kwargs, _ in calls:
         logger.log_pre_api_call(model="x", messages=kwargs["messages"], kwargs=kwargs)
+    return recorder, logger, calls
+
+
+def test_a_conversation_logged_out_of_order_is_one_episode(tmp_path):
+    """litellm logs sync calls on pool threads, so a conversation's second call can reach
+    the logger first; it must still continue the first call's episode."""
+    recorder, logger, (first, second) = _two_call_conversation(tmp_path)
     logger.log_success_event(*second, None, None)
     assert episodes(logger, "lite-order") == []  # the second waits for the first
     logger.log_success_event(*first, None, None)
@@ -148,4 +153,16 @@ def test_a_conversation_logged_out_of_order_is_one_episode(tmp_path):
     [episode] = episodes(logger, "lite-order")
     assert [s.output.get("content") for s in episode.steps] == [None, "It shipped."]
     assert episode.status == "completed"
+    recorder.close()
+
+
+def test_a_call_never_logged_holds_nothing_back_for_long(tmp_path, monkeypatch):
+    """litellm may announce a call and never log it: the calls after it are not held for ever."""
+    import integrations.litellm as module
+
+    recorder, logger, (_, second) = _two_call_conversation(tmp_path)
+    monkeypatch.setattr(module, "HOLD_S", 0.0)  # the first call has been unlogged for too long
+    logger.log_success_event(*second, None, None)
+    [episode] = episodes(logger, "lite-order")
+    assert [s.output.get("content") for s in episode.steps] == ["It shipped."]
     recorder.close()
