@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from training.config import ExpertTrainingConfig
 
@@ -63,8 +63,5 @@ class ImproverConfig:
 
     @property
     def expert_training(self) -> ExpertTrainingConfig:
-        """``training``, typed (``__post_init__`` made it a config; this holds if it was reassigned)."""
-        training = self.training
-        if not isinstance(training, ExpertTrainingConfig):
-            training = ExpertTrainingConfig.preset(self.preset, **dict(training))
-        return training
+        """``training`` as its type: ``__post_init__`` made it a config."""
+        return cast(ExpertTrainingConfig, self.training)
