@@ -1,19 +1,25 @@
 """GRPO rollouts per second: our rollout function against TRL's built-in generation.
 
-Both train the same LoRA (r=8, all linear layers) on SmolLM2-135M with the same retail
+All train the same LoRA (r=8, all linear layers) on SmolLM2-135M with the same retail
 prompts (the policy, nine tool schemas and a ticket), 4 rollouts per step, 48 tokens per
 completion, one turn. The reward is a hash of the completion, so every group carries
-signal and nothing is dropped: a cost comparison, not a learning one. Ours runs twice,
-with generation and the loss pass running each group's shared prompt once (the default)
-and once per rollout (as TRL does), so that saving is measured on its own. A last run uses
-the real retail reward, where the base model's groups are all flat and ours drops them
-(dynamic sampling), to show what that saves. Each configuration runs in its own process
-(peak RSS is per process); the first step is warm-up and not counted.
+signal and nothing is dropped: a cost comparison, not a learning one. The naive
+configuration is TRL's as it comes (float32, its own generation). Ours runs in our default
+precision (bf16 base weights where the hardware computes bf16 natively, LoRA and optimizer
+float32) and, for ``bf16_speedup``, in float32; once with each rollout's prompt run on its
+own (as TRL does), so that prompt sharing is measured apart. A last run uses the real
+retail reward, where the base model's groups are all flat and ours drops them (dynamic
+sampling), to show what that saves. Each configuration runs in its own process (peak RSS
+is per process); the first step is warm-up and not counted.
 
 Generation on its own is timed in the support agent's setting, where prompts carry the
 worked examples (about 1,400 tokens) and episodes take turns: two tickets of four
 rollouts, two turns of up to 96 tokens, greedy, played with and without running the
 batch's common opening once (alternating), with the tokens compared.
+
+Learning, last: the same seeds trained in float32 and in bf16 on a fixed task with a dense
+reward (a one-turn retail reply that names the ticket's order id, in few tokens), whose
+reward curves are printed side by side: bf16 must learn as well as float32 does.
 
     python bench/grpo_training.py [--quick]
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import resource
 import subprocess
 import sys
@@ -40,6 +47,12 @@ GROUP = 4
 
 def scored_reward(text: str) -> float:
     return int(hashlib.sha256(text.encode()).hexdigest(), 16) % 1000 / 1000
+
+
+def named_and_brief(prompt: str, answer: str) -> float:
+    """The learning task's reward: half for naming the ticket's order id, half for brevity."""
+    named = any(order in answer for order in re.findall(r"#W\d+", prompt))
+    return 0.5 * named + 0.5 * max(0.0, 1.0 - len(answer) / 200)
 
 
 def run(which: str, steps: int) -> dict:
@@ -72,7 +85,7 @@ def run(which: str, steps: int) -> dict:
         from trace_plugin.chat_template import render
         from trace_plugin.model_files import load_model, resolve_model
 
-        model, tokenizer = load_model(resolve_model())
+        model, tokenizer = load_model(resolve_model(), precision="float32")
         env = RetailEnv()
         prompts = []
         for seed in seeds:
@@ -82,7 +95,7 @@ def run(which: str, steps: int) -> dict:
                 {"role": "user", "content": task.prompt},
             ]
             prompts.append(render(tokenizer, messages, env.tools))
-        config = ExpertTrainingConfig(**common)
+        config = ExpertTrainingConfig(**common, precision="float32")
         kwargs = config.grpo_kwargs(Path(tempfile.mkdtemp()))
         kwargs["max_steps"] = steps
         trainer = GRPOTrainer(
@@ -103,6 +116,7 @@ def run(which: str, steps: int) -> dict:
             max_turns=1,
             resample_rounds=0,
             share_prompt=which != "ours_unshared",
+            **({"precision": "float32"} if which == "ours_fp32" else {}),
             **common,
         )
         ExpertTrainer(config, env, seeds, progress=False, callbacks=[steps_cb]).train()
@@ -114,6 +128,35 @@ def run(which: str, steps: int) -> dict:
     }
 
 
+def learning(precision: str, steps: int) -> dict:
+    """A reward curve on the fixed learning task, trained in ``precision`` from seed 0."""
+    warnings.filterwarnings("ignore")
+    from trace_plugin.environments.base import RewardBreakdown
+    from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
+    from training.config import ExpertTrainingConfig
+    from training.experts import ExpertTrainer
+
+    class NamedAndBrief(RetailEnv):
+        def reward(self, answer: str = "") -> RewardBreakdown:
+            assert self.task is not None
+            return RewardBreakdown(named_and_brief(self.task.prompt, answer))
+
+    config = ExpertTrainingConfig(
+        rollout_budget=2 * GROUP * steps,
+        groups_per_step=2,  # two tickets a step: a steadier curve
+        max_turns=1,
+        max_completion_length=48,
+        resample_rounds=0,
+        hint_fraction=0.0,
+        learning_rate=2e-3,  # to learn within a bench's steps
+        precision=precision,  # type: ignore[arg-type]
+        checkpoint_every=1000,
+        output_dir=tempfile.mkdtemp() + "/e",
+    )
+    result = ExpertTrainer(config, NamedAndBrief, list(TRAIN_SEEDS)[:64], progress=False).train()
+    return {"reward_curve": result.reward_curve}
+
+
 def generation(reps: int) -> dict:
     """Seconds per play of the support agent's episodes, with and without the shared opening."""
     warnings.filterwarnings("ignore")
@@ -123,7 +166,7 @@ def generation(reps: int) -> dict:
     from trace_plugin.model_files import load_model, resolve_model
     from training.experts import EpisodePlayer, hf_generate
 
-    model, tokenizer = load_model(resolve_model())
+    model, tokenizer = load_model(resolve_model(), precision="auto")
     model.eval()
     examples = [message_to_openai(m) for m in few_shot_messages()]
     player = EpisodePlayer(tokenizer, RetailEnv, max_turns=2, max_observation_chars=800, examples=examples)
@@ -145,6 +188,30 @@ def generation(reps: int) -> dict:
     }
 
 
+def child(which: str, steps: int) -> dict:
+    if which == "generation":
+        return generation(steps)
+    if which.startswith("learning_"):
+        return learning(which.removeprefix("learning_"), steps)
+    return run(which, steps)
+
+
+def spawn(which: str, steps: int) -> dict:
+    """``child(which, steps)`` in a process of its own: peak RSS and caches stay per configuration."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", which, "--steps", str(steps)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def second_half_mean(curve: list[float]) -> float:
+    half = curve[len(curve) // 2 :]
+    return sum(half) / len(half)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -152,40 +219,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(
-            json.dumps(generation(args.steps) if args.child == "generation" else run(args.child, args.steps))
-        )
+        print(json.dumps(child(args.child, args.steps)))
         return
     steps = 2 if args.quick else 4  # the first is warm-up
-    results = {}
-    for which in ("naive", "ours_unshared", "ours", "ours_flat", "generation"):
-        out = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--child",
-                which,
-                "--steps",
-                str(steps // 2 if which == "generation" else steps),
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        results[which] = json.loads(out.strip().splitlines()[-1])
+    configurations = ("naive", "ours_fp32", "ours_unshared", "ours", "ours_flat")
+    results = {which: spawn(which, steps) for which in configurations}
+    played = spawn("generation", steps // 2)
+    learning_steps = 2 if args.quick else 16
+    curves = {p: spawn(f"learning_{p}", learning_steps)["reward_curve"] for p in ("float32", "bfloat16")}
+
     from rich.console import Console
     from rich.table import Table
 
+    from trace_plugin.model_files import torch_dtype
+
+    default = str(torch_dtype("auto")).removeprefix("torch.")
     table = Table(title=f"GRPO on SmolLM2-135M, CPU: {GROUP} rollouts/step, 48 tokens, retail prompts")
     for column in ("configuration", "s/step", "rollouts/s", "vs naive", "peak RSS GB"):
         table.add_column(column)
     labels = {
-        "naive": "TRL built-in generation (naive)",
-        "ours_unshared": "our rollout_func, prompt run per rollout",
-        "ours": "our rollout_func, prompt run once per group",
-        "ours_flat": "our rollout_func, real reward: flat groups dropped",
+        "naive": "TRL built-in generation, float32 (naive)",
+        "ours_fp32": "our rollout_func, prompt once per group, float32",
+        "ours_unshared": f"our rollout_func, prompt run per rollout, {default}",
+        "ours": f"our rollout_func, prompt once per group, {default} (default)",
+        "ours_flat": "our default, real reward: flat groups dropped",
     }
-    naive, played = results["naive"]["rollouts_per_s"], results.pop("generation")
+    naive = results["naive"]["rollouts_per_s"]
     for which, r in results.items():
         table.add_row(
             labels[which],
@@ -194,21 +253,34 @@ def main() -> None:
             f"{r['rollouts_per_s'] / naive:.2f}×",
             f"{r['peak_rss_gb']:.1f}",
         )
-    Console().print(table)
-    Console().print(
-        f"generation, support agent prompts ({played['prompt_tokens']} tokens), 2 tickets x {GROUP}, 2 turns:"
-        f" {played['unshared_s']:.1f} s prompt run per row, {played['shared_s']:.1f} s opening run once"
-        f" ({played['unshared_s'] / played['shared_s']:.2f}x), same tokens: {played['same_tokens']}"
+    console = Console()
+    console.print(table)
+    console.print(
+        f"generation, support agent prompts ({played['prompt_tokens']} tokens), 2 tickets x {GROUP}, 2 turns,"
+        f" {default}: {played['unshared_s']:.1f} s prompt run per row, {played['shared_s']:.1f} s opening run"
+        f" once ({played['unshared_s'] / played['shared_s']:.2f}x), same tokens: {played['same_tokens']}"
     )
+    curve_table = Table(title=f"learning: mean reward per step, 2 x {GROUP} rollouts, same seeds")
+    curve_table.add_column("step")
+    for precision in curves:
+        curve_table.add_column(precision)
+    for step, rewards in enumerate(zip(*curves.values(), strict=True), 1):
+        curve_table.add_row(str(step), *(f"{r:.3f}" for r in rewards))
+    curve_table.add_row("2nd half", *(f"{second_half_mean(c):.3f}" for c in curves.values()))
+    console.print(curve_table)
     ours = results["ours"]
     print(
         json.dumps(
             {
                 "bench": "training",
                 "quick": args.quick,
+                "precision": default,
                 "rollouts_per_s": round(ours["rollouts_per_s"], 4),
                 "naive_rollouts_per_s": round(naive, 4),
                 "speedup": round(ours["rollouts_per_s"] / naive, 3),
+                "bf16_speedup": round(ours["rollouts_per_s"] / results["ours_fp32"]["rollouts_per_s"], 3)
+                if default == "bfloat16"
+                else None,
                 "speedup_without_prompt_sharing": round(
                     results["ours_unshared"]["rollouts_per_s"] / naive, 3
                 ),
@@ -216,6 +288,8 @@ def main() -> None:
                 "speedup_with_flat_groups_dropped": round(results["ours_flat"]["rollouts_per_s"] / naive, 3),
                 "generation_prefix_speedup": round(played["unshared_s"] / played["shared_s"], 3),
                 "generation_same_tokens": played["same_tokens"],
+                "learning_second_half_float32": round(second_half_mean(curves["float32"]), 4),
+                "learning_second_half_bf16": round(second_half_mean(curves["bfloat16"]), 4),
             }
         )
     )

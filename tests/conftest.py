@@ -88,7 +88,7 @@ def embedded_backend():
     """The real SmolLM2-135M behind the embedded backend, loaded once per test session."""
     from trace_plugin.gateway.embedded import EmbeddedBackend
 
-    return EmbeddedBackend(max_batch=8)
+    return EmbeddedBackend(max_batch=8, precision="float32")  # the token-exactness claims are float32's
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -1,4 +1,4 @@
-"""bfloat16 serving against float32, on the support agent's real prompts.
+"""bfloat16 serving against float32, through the gateway, on the support agent's real prompts.
 
 Greedy tokens need not agree everywhere (a near-tie can flip), so the agreement is
 reported, not asserted; what is asserted is the accuracy that decides both greedy choices
@@ -8,11 +8,14 @@ within 0.05 nats per token of float32's (measured here: 0.01 to 0.03).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 import pytest
 
-from trace_plugin.chat_template import REPLY_FORBIDDEN
 from trace_plugin.environments.retail import TEST_SEEDS, TOOLS, RetailEnv
-from trace_plugin.gateway.backend import SamplingParams
+from trace_plugin.gateway.app import GatewayConfig, create_app
+from trace_plugin.gateway.server import start_in_thread
 from trace_plugin.generation import common_length
 from trace_plugin.model_files import bf16_supported, torch_dtype
 
@@ -29,8 +32,23 @@ def bf16_backend():
     return EmbeddedBackend(max_batch=8, precision="bfloat16")
 
 
-def retail_prompts(backend, n: int) -> list[str]:
-    return [backend.render(RetailEnv().opening(seed), TOOLS) for seed in list(TEST_SEEDS)[:n]]
+def greedy_through_gateway(backend, n: int) -> list[dict]:
+    """The first ``n`` test tickets' greedy replies, asked concurrently (batched) over HTTP."""
+    body = {"model": backend.model_id, "tools": TOOLS, "temperature": 0, "max_tokens": 24}
+    with start_in_thread(create_app(backend, config=GatewayConfig(record=False))) as server:
+
+        def ask(seed: int) -> dict:
+            messages = RetailEnv().opening(seed)
+            reply = httpx.post(
+                f"{server.url}/v1/chat/completions",
+                json={**body, "messages": messages, "return_token_ids": True},
+                timeout=300,
+            )
+            reply.raise_for_status()
+            return reply.json()
+
+        with ThreadPoolExecutor(n) as pool:
+            return list(pool.map(ask, list(TEST_SEEDS)[:n]))
 
 
 def token_logprobs(model, prompt_ids: list[int], completion: list[int]) -> list[float]:
@@ -56,16 +74,16 @@ def test_bf16_greedy_tokens_track_float32(embedded_backend, bf16_backend, capsys
     import torch
 
     assert bf16_backend.model.dtype is torch.bfloat16
-    prompts = retail_prompts(embedded_backend, 4)
-    params = SamplingParams(max_tokens=24, temperature=0.0, bad_words=REPLY_FORBIDDEN)
-    full = embedded_backend.generate_rows(prompts, [None] * len(prompts), params)
-    half = bf16_backend.generate_rows(prompts, [None] * len(prompts), params)
-    agreed = sum(common_length(f.token_ids, h.token_ids) for f, h in zip(full, half, strict=True))
-    total = sum(len(f.token_ids) for f in full)
+    full = greedy_through_gateway(embedded_backend, 4)
+    half = greedy_through_gateway(bf16_backend, 4)
+    tokens = [[r["choices"][0]["token_ids"] for r in replies] for replies in (full, half)]
+    agreed = sum(map(common_length, *tokens))
+    total = sum(map(len, tokens[0]))
     differences = []
-    for completion in full:
-        reference = token_logprobs(embedded_backend.model, completion.prompt_token_ids, completion.token_ids)
-        under_bf16 = token_logprobs(bf16_backend.model, completion.prompt_token_ids, completion.token_ids)
+    for reply, completion in zip(full, tokens[0], strict=True):
+        prompt = reply["prompt_token_ids"]
+        reference = token_logprobs(embedded_backend.model, prompt, completion)
+        under_bf16 = token_logprobs(bf16_backend.model, prompt, completion)
         differences += [abs(a - b) for a, b in zip(reference, under_bf16, strict=True)]
     mean = sum(differences) / len(differences)
     with capsys.disabled():

@@ -239,16 +239,17 @@ def test_presets_build_the_right_grpo_configs(tmp_path):
         4,
         1,
     )
-    assert args.beta == 0.0 and not args.use_vllm and not args.bf16 and not args.gradient_checkpointing
+    assert args.beta == 0.0 and not args.use_vllm and not args.gradient_checkpointing
+    assert cpu.precision == "auto" and not args.bf16  # bf16 weights where supported, never autocast
     assert args.learning_rate == 3e-4 and args.save_steps == 10 and args.logging_steps == 1
 
     gpu = ExpertTrainingConfig.preset("gpu")
     assert gpu.backend == "vllm" and gpu.steps == 200
     lora = gpu.lora_config()
     assert (lora.r, lora.lora_alpha, lora.target_modules) == (16, 32, "all-linear")
-    # GRPOConfig itself refuses bf16 on a CPU: check the settings it would get.
     gpu_args = gpu.grpo_kwargs(tmp_path / "work")
-    assert gpu_args["use_vllm"] and gpu_args["vllm_mode"] == "colocate" and gpu_args["bf16"]
+    assert gpu.precision == "bfloat16" and not gpu_args["bf16"]
+    assert gpu_args["use_vllm"] and gpu_args["vllm_mode"] == "colocate"
     assert gpu_args["activation_checkpointing"] and not gpu_args["vllm_importance_sampling_correction"]
     assert gpu_args["per_device_train_batch_size"] * gpu_args["gradient_accumulation_steps"] == 64
 
@@ -259,6 +260,8 @@ def test_presets_build_the_right_grpo_configs(tmp_path):
         ExpertTrainingConfig(rollout_budget=3)
     with pytest.raises(ValueError, match="at least 2"):
         ExpertTrainingConfig(num_generations=1)
+    with pytest.raises(ValueError, match="precision"):
+        ExpertTrainingConfig(precision="float16")
 
 
 # -- real GRPO runs of SmolLM2 (tiny: 2 rollouts a step, a few tokens a turn) ---------------------------

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def stack(tmp_path_factory):
     """A stand-in vLLM server (the embedded gateway) and our gateway in front of it."""
     root = tmp_path_factory.mktemp("adapters")
-    inner_backend = EmbeddedBackend()
+    inner_backend = EmbeddedBackend(precision="float32")
     random_adapter(inner_backend.model_dir, root / "alpha" / "1", seed=11)
     random_adapter(inner_backend.model_dir, root / "alpha" / "2", seed=12)
     vllm_like = GatewayConfig(adapter_root=root, record=False, hot_swap=False)  # vLLM: names are independent
@@ -171,7 +171,9 @@ async def test_a_vllm_without_embeddings_says_how_to_serve_them(stack):
 
 
 def test_a_dead_vllm_is_a_clear_502_and_the_gateway_keeps_serving(tmp_path):
-    dead = start_in_thread(create_app(EmbeddedBackend(), config=GatewayConfig(record=False)))
+    dead = start_in_thread(
+        create_app(EmbeddedBackend(precision="float32"), config=GatewayConfig(record=False))
+    )
     backend = VLLMBackend(dead.url)
     dead.stop()
     with start_in_thread(

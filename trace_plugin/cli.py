@@ -166,8 +166,8 @@ def serve(
     ] = None,
     precision: Annotated[
         str,
-        typer.Option(help="The embedded model's weights: float32, bfloat16, or auto (native bf16)."),
-    ] = "float32",
+        typer.Option(help="The embedded model's weights: auto (bf16 where native), float32 or bfloat16."),
+    ] = "auto",
     host: str = "127.0.0.1",
     port: int = 8000,
     adapter_root: Annotated[

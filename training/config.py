@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from trace_plugin.chat_template import REPLY_FORBIDDEN
+from trace_plugin.model_files import Precision
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,12 @@ class ExpertTrainingConfig:
     seed: int = 0
     output_dir: str = "experts/expert"  # the final adapter directory
     backend: Literal["transformers", "vllm"] = "transformers"  # who generates the rollouts
-    bf16: bool = False
+    # The base model's weights; "auto" is bf16 where the hardware computes it natively
+    # (``model_files.bf16_supported``), float32 elsewhere. Generation, the loss pass and
+    # backward then run in bf16, while the LoRA weights and the optimizer state stay float32
+    # (PEFT keeps adapters float32). bf16 weights rather than autocast: on this CPU, autocast
+    # recasts every weight at every decode step and generates slower than float32 does.
+    precision: Precision = "auto"
     gradient_checkpointing: bool = False
     # A group's rollouts share their prompt: generation runs the batch's common opening once
     # (``hf_generate``) and the loss pass each distinct prompt once (``shared_prefix_logps``).
@@ -58,6 +64,8 @@ class ExpertTrainingConfig:
             )
         if not 0.0 <= self.hint_fraction <= 1.0:
             raise ValueError("hint_fraction must be in [0, 1]")
+        if self.precision not in get_args(Precision):
+            raise ValueError(f"precision must be one of {get_args(Precision)}, not {self.precision!r}")
         if self.share_prompt and self.gradient_checkpointing:
             raise ValueError("share_prompt needs the key/value cache, which gradient checkpointing disables")
 
@@ -78,7 +86,7 @@ class ExpertTrainingConfig:
                 "max_observation_chars": 4000,
                 "checkpoint_every": 25,
                 "backend": "vllm",
-                "bf16": True,
+                "precision": "bfloat16",
                 "gradient_checkpointing": True,
                 "share_prompt": False,
             },
@@ -110,7 +118,7 @@ class ExpertTrainingConfig:
         )
 
     def grpo_config(self, work_dir: Path) -> Any:
-        """TRL's ``GRPOConfig`` (which checks the hardware: a bf16 preset builds only where bf16 runs)."""
+        """TRL's ``GRPOConfig``."""
         from trl import GRPOConfig
 
         return GRPOConfig(**self.grpo_kwargs(work_dir))
@@ -140,8 +148,8 @@ class ExpertTrainingConfig:
             num_iterations=1,
             loss_type="dapo",
             scale_rewards="group",
-            bf16=self.bf16,
-            use_cpu=not _cuda_available(),  # also what lets bf16 autocast run on a CPU
+            bf16=False,  # no autocast: the weights are already in ``precision``
+            use_cpu=not _cuda_available(),
             activation_checkpointing=self.gradient_checkpointing,
             seed=self.seed,
             logging_steps=1,

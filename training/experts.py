@@ -392,14 +392,14 @@ def shared_prefix_logps(
     for rows in groups.values():
         cache = backbone(
             input_ids=input_ids[rows[:1], :cut], attention_mask=attention_mask[rows[:1], :cut], use_cache=True
-        ).past_key_values
+        ).cache
         cache.batch_repeat_interleave(len(rows))
         tail = input_ids[rows, cut:]
         labels = tail.masked_fill(attention_mask[rows, cut:] == 0, -100)
         out = model(
             input_ids=tail,
             attention_mask=attention_mask[rows],
-            past_key_values=cache,
+            cache=cache,
             labels=labels,
             fused_lm_head=True,
         )
@@ -543,7 +543,7 @@ class ExpertTrainer:
         from trl import GRPOTrainer
 
         config = self.config
-        model, tokenizer = load_model(self.model_dir)
+        model, tokenizer = load_model(self.model_dir, precision=config.precision)
         player = EpisodePlayer(
             tokenizer,
             self.env_factory,
@@ -675,7 +675,7 @@ def evaluate(
 ) -> EvalResult:
     """Greedy episodes with training's rendering and limits (turns, tokens per turn, tool results)."""
     config = config or ExpertTrainingConfig()
-    model, tokenizer = load_model(model_dir)
+    model, tokenizer = load_model(model_dir, precision=config.precision)
     if adapter_dir is not None:
         from peft import PeftModel
 

@@ -48,7 +48,7 @@ class EmbeddedBackend:
         batch_window_s: float = 0.005,
         max_lora_rank: int = 64,
         prefix_cache: int = 8,
-        precision: Precision = "float32",
+        precision: Precision = "auto",
     ) -> None:
         self.model_dir = resolve_model(model)
         self.model_id = self.model_dir.name
