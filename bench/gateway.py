@@ -11,6 +11,9 @@ Side by side in one run, on the embedded SmolLM2-135M (CPU):
   embedded backend's prefix cache holding their shared opening, against no cache;
 - the same prompts through one expert, run with that adapter active (as the backend runs a
   batch with one adapter) against PEFT's mixed-batch split, and against the base model;
+- tokens/s through the gateway in bf16 (the default where the CPU runs it natively)
+  against float32, on the support agent's tickets, four at once, alternating, with the
+  greedy tokens compared;
 - the stall a stop list causes: a ``max_tokens: 1`` request with the longest stop list the
   gateway accepts, new strings each time (as a hostile client would send), against the same
   request without one, alternating.
@@ -26,7 +29,9 @@ import json
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -42,6 +47,7 @@ from trace_plugin.gateway.embedded import EmbeddedBackend
 from trace_plugin.gateway.protocol import MAX_STOPS
 from trace_plugin.gateway.routing import KeywordRouter
 from trace_plugin.gateway.server import start_in_thread
+from trace_plugin.generation import common_length
 from training.lora import random_adapter
 
 PROMPTS = [
@@ -172,6 +178,49 @@ def stop_list_stall(url: str, model: str, rounds: int) -> tuple[float, float]:
     return times[False] / rounds, times[True] / rounds
 
 
+def tickets_tokens_per_s(url: str, model: str, max_tokens: int) -> tuple[float, list[list[int]]]:
+    """Tokens/s of four support tickets asked at once (one batch), and each reply's tokens."""
+
+    def ask(seed: int) -> dict:
+        body = {
+            "model": model,
+            "messages": RetailEnv().opening(seed),
+            "tools": TOOLS,
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "return_token_ids": True,
+        }
+        return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).raise_for_status().json()
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(ask, list(TEST_SEEDS)[:4]))
+    elapsed = time.perf_counter() - start
+    tokens = [r["choices"][0]["token_ids"] for r in replies]
+    return sum(map(len, tokens)) / elapsed, tokens
+
+
+def precision_tokens_per_s(bf16_url: str, model: str, rounds: int, max_tokens: int) -> dict[str, Any]:
+    """bf16 (``bf16_url``) against a float32 gateway on the same tickets, alternating."""
+    float32 = EmbeddedBackend(precision="float32")
+    with start_in_thread(create_app(float32, config=GatewayConfig(record=False))) as fp32_server:
+        urls = {"bfloat16": bf16_url, "float32": fp32_server.url}
+        for url in urls.values():  # warm up: cache the opening
+            tickets_tokens_per_s(url, model, 4)
+        rates: dict[str, list[float]] = {name: [] for name in urls}
+        tokens: dict[str, list[list[int]]] = {}
+        for _ in range(rounds):
+            for name, url in urls.items():
+                rate, tokens[name] = tickets_tokens_per_s(url, model, max_tokens)
+                rates[name].append(rate)
+    agreed = sum(map(common_length, tokens["float32"], tokens["bfloat16"]))
+    return {
+        **{name: sum(r) / rounds for name, r in rates.items()},
+        "agreed": agreed,
+        "total": sum(map(len, tokens["float32"])),
+    }
+
+
 def agent_prompts(backend: EmbeddedBackend, n: int) -> list[str]:
     """The support agent's opening prompts (policy, tool schemas, a ticket) for ``n`` test seeds."""
     return [backend.render(RetailEnv().opening(seed), TOOLS) for seed in list(TEST_SEEDS)[:n]]
@@ -263,6 +312,10 @@ def main() -> None:
             route_frac = routing_overhead(app, server.url, route_requests)
             failed, served = swap_under_load(server.url, "refunds@2", "refunds/2", 8, per_client)
             no_stops_s, stops_s = stop_list_stall(server.url, backend.model_id, stop_rounds)
+            native = backend.model.dtype == torch.bfloat16
+            precision = (
+                precision_tokens_per_s(server.url, backend.model_id, rounds, max_tokens) if native else None
+            )
         recorder.close()
 
     table = Table(title="Gateway vs direct generate, same prompts, greedy")
@@ -288,6 +341,17 @@ def main() -> None:
     table.add_row("max_tokens=1 request, no stop list", f"{no_stops_s:.3f} s", "")
     table.add_row(f"max_tokens=1 request, {MAX_STOPS} new stop strings", f"{stops_s:.3f} s", "")
     table.add_row("stop list stall ratio", f"{stops_s / no_stops_s:.2f}×", "≈ 1")
+    if precision is not None:
+        table.add_row("4 tickets at once, float32 tokens/s", f"{precision['float32']:.1f}", "")
+        table.add_row("4 tickets at once, bf16 tokens/s", f"{precision['bfloat16']:.1f}", "")
+        table.add_row("bf16 / float32 tokens/s", f"{precision['bfloat16'] / precision['float32']:.2f}×", "")
+        table.add_row(
+            "greedy tokens agreeing before the first divergence",
+            f"{precision['agreed']} of {precision['total']}",
+            "",
+        )
+    else:
+        table.add_row("bf16 / float32 tokens/s", "not measured: no native bf16 here", "")
     console.print(table)
     print(
         json.dumps(
@@ -302,6 +366,12 @@ def main() -> None:
                 "expert_batch_cost_ratio": round(batch_s["expert"] / batch_s["base"], 3),
                 "single_adapter_speedup": round(batch_s["mixed_split"] / batch_s["expert"], 3),
                 "stop_list_stall_ratio": round(stops_s / no_stops_s, 3),
+                "bf16_tokens_per_s_ratio": round(precision["bfloat16"] / precision["float32"], 3)
+                if precision
+                else None,
+                "bf16_greedy_token_agreement": round(precision["agreed"] / precision["total"], 3)
+                if precision
+                else None,
             }
         )
     )

@@ -15,7 +15,7 @@ is per process); the first step is warm-up and not counted.
 Generation on its own is timed in the support agent's setting, where prompts carry the
 worked examples (about 1,400 tokens) and episodes take turns: two tickets of four
 rollouts, two turns of up to 96 tokens, greedy, played with and without running the
-batch's common opening once (alternating), with the tokens compared.
+batch's common opening once (alternating), in float32, with the tokens compared.
 
 Learning, last: the same seeds trained in float32 and in bf16 on a fixed task with a dense
 reward (a one-turn retail reply that names the ticket's order id, in few tokens), whose
@@ -166,7 +166,7 @@ def generation(reps: int) -> dict:
     from trace_plugin.model_files import load_model, resolve_model
     from training.experts import EpisodePlayer, hf_generate
 
-    model, tokenizer = load_model(resolve_model(), precision="auto")
+    model, tokenizer = load_model(resolve_model(), precision="float32")  # where the tokens must agree
     model.eval()
     examples = [message_to_openai(m) for m in few_shot_messages()]
     player = EpisodePlayer(tokenizer, RetailEnv, max_turns=2, max_observation_chars=800, examples=examples)
@@ -257,7 +257,7 @@ def main() -> None:
     console.print(table)
     console.print(
         f"generation, support agent prompts ({played['prompt_tokens']} tokens), 2 tickets x {GROUP}, 2 turns,"
-        f" {default}: {played['unshared_s']:.1f} s prompt run per row, {played['shared_s']:.1f} s opening run"
+        f" float32: {played['unshared_s']:.1f} s prompt run per row, {played['shared_s']:.1f} s opening run"
         f" once ({played['unshared_s'] / played['shared_s']:.2f}x), same tokens: {played['same_tokens']}"
     )
     curve_table = Table(title=f"learning: mean reward per step, 2 x {GROUP} rollouts, same seeds")

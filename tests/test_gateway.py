@@ -412,6 +412,58 @@ def test_two_adapters_selected_per_request(client, gateway, backend):
     }
 
 
+def test_an_all_zero_adapter_gives_the_base_models_tokens_in_mixed_batches(gateway, adapter_root):
+    """A LoRA no step has reached (PEFT starts B at zero) is the base model: every request
+    through it, batched with base requests in shuffled mixes, gets exactly the tokens the base
+    model gives the same request alone (float32; bf16 is not batch-invariant)."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from peft import LoraConfig, get_peft_model
+
+    from trace_plugin.environments.retail import TOOLS as RETAIL_TOOLS
+    from trace_plugin.model_files import load_model, resolve_model
+    from training.lora import is_noop
+
+    base, _ = load_model(resolve_model(), precision="float32")
+    get_peft_model(base, LoraConfig(r=8, target_modules="all-linear")).save_pretrained(adapter_root / "zero")
+    assert is_noop(adapter_root / "zero")
+    ensure_loaded(gateway, "zero@1", "zero")
+    env = RetailEnv()
+    second_turn = [
+        *env.opening(list(TEST_SEEDS)[1]),
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+         "function": {"name": "find_user_id_by_email", "arguments": '{"email": "a@b.c"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": '{"error": "no user with that email"}'},
+    ]  # fmt: skip
+    conversations = [env.opening(seed) for seed in list(TEST_SEEDS)[:4]] + [
+        second_turn,
+        [{"role": "user", "content": "Where is my parcel?"}],
+    ]
+
+    def ask(job: tuple[int, str]) -> list[int]:
+        i, model = job
+        body = {"model": model, "messages": conversations[i], "tools": RETAIL_TOOLS, "temperature": 0}
+        reply = httpx.post(
+            f"{gateway.url}/v1/chat/completions",
+            json={**body, "max_tokens": 48, "return_token_ids": True},
+            timeout=300,
+        )
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["token_ids"]
+
+    alone = [ask((i, "base")) for i in range(len(conversations))]
+    jobs = [(i, model) for i in range(len(conversations)) for model in ("zero", "base")]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        for mix in range(3):
+            random.Random(mix).shuffle(jobs)
+            batched = list(pool.map(ask, jobs))
+            assert [tokens == alone[i] for (i, _), tokens in zip(jobs, batched, strict=True)] == [True] * len(
+                jobs
+            )
+    admin(gateway, "unload_lora_adapter", lora_name="zero")
+
+
 def test_router_picks_the_adapter_for_agent_requests(client, gateway):
     ensure_loaded(gateway, "beta@1", "beta/1")
     routed = greedy(client, "support", "I want a refund for my order.")
