@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import tempfile
 import threading
@@ -200,18 +201,22 @@ def tickets_tokens_per_s(url: str, model: str, max_tokens: int) -> tuple[float, 
     return sum(map(len, tokens)) / elapsed, tokens
 
 
-def precision_tokens_per_s(bf16_url: str, model: str, rounds: int, max_tokens: int) -> dict[str, Any]:
-    """bf16 (``bf16_url``) against a float32 gateway on the same tickets, alternating."""
-    float32 = EmbeddedBackend(precision="float32")
-    with start_in_thread(create_app(float32, config=GatewayConfig(record=False))) as fp32_server:
-        urls = {"bfloat16": bf16_url, "float32": fp32_server.url}
+def precision_tokens_per_s(bf16: EmbeddedBackend, rounds: int, max_tokens: int) -> dict[str, Any]:
+    """``bf16`` against a fresh float32 backend, each behind its own gateway, on the same
+    tickets, alternating; before any adapter is loaded, so both run the plain model."""
+    backends = {"bfloat16": bf16, "float32": EmbeddedBackend(precision="float32")}
+    rates: dict[str, list[float]] = {name: [] for name in backends}
+    tokens: dict[str, list[list[int]]] = {}
+    with contextlib.ExitStack() as stack:
+        urls = {
+            name: stack.enter_context(start_in_thread(create_app(b, config=GatewayConfig(record=False)))).url
+            for name, b in backends.items()
+        }
         for url in urls.values():  # warm up: cache the opening
-            tickets_tokens_per_s(url, model, 4)
-        rates: dict[str, list[float]] = {name: [] for name in urls}
-        tokens: dict[str, list[list[int]]] = {}
+            tickets_tokens_per_s(url, bf16.model_id, 4)
         for _ in range(rounds):
             for name, url in urls.items():
-                rate, tokens[name] = tickets_tokens_per_s(url, model, max_tokens)
+                rate, tokens[name] = tickets_tokens_per_s(url, bf16.model_id, max_tokens)
                 rates[name].append(rate)
     agreed = sum(map(common_length, tokens["float32"], tokens["bfloat16"]))
     return {
@@ -287,6 +292,8 @@ def main() -> None:
 
     backend = EmbeddedBackend()
     uncached_s, cached_s = prefix_cache_speedup(backend, rounds + 1, max_tokens)
+    native = backend.dtype == torch.bfloat16
+    precision = precision_tokens_per_s(backend, rounds, max_tokens) if native else None
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         random_adapter(backend.model_dir, root / "probe", seed=4)
@@ -312,10 +319,6 @@ def main() -> None:
             route_frac = routing_overhead(app, server.url, route_requests)
             failed, served = swap_under_load(server.url, "refunds@2", "refunds/2", 8, per_client)
             no_stops_s, stops_s = stop_list_stall(server.url, backend.model_id, stop_rounds)
-            native = backend.model.dtype == torch.bfloat16
-            precision = (
-                precision_tokens_per_s(server.url, backend.model_id, rounds, max_tokens) if native else None
-            )
         recorder.close()
 
     table = Table(title="Gateway vs direct generate, same prompts, greedy")

@@ -52,11 +52,16 @@ def greedy_through_gateway(backend, n: int) -> list[dict]:
 
 
 def token_logprobs(model, prompt_ids: list[int], completion: list[int]) -> list[float]:
-    """Each completion token's log-probability under ``model``, given what came before it."""
+    """Each completion token's log-probability under the base ``model`` (any adapters the
+    session's backend holds from other tests disabled), given what came before it."""
+    import contextlib
+
     import torch
+    from peft import PeftModel
 
     ids = torch.tensor([prompt_ids + completion])
-    with torch.inference_mode():
+    base = model.disable_adapter() if isinstance(model, PeftModel) else contextlib.nullcontext()
+    with torch.inference_mode(), base:
         logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float()
     return logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0].tolist()
 

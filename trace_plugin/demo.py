@@ -81,7 +81,7 @@ class SupportStack:
         config = GatewayConfig(adapter_root=self.adapter_root, agent=AGENT, record=False)
         self.server = start_in_thread(create_app(self.backend, config=config))
         self.base_url = f"{self.server.url}/v1"
-        dtype = str(self.backend.model.dtype).removeprefix("torch.")
+        dtype = str(self.backend.dtype).removeprefix("torch.")
         console.print(f"gateway at {self.base_url}, model {self.backend.model_id} in {dtype}")
 
     def agent(self, model: str, *, evaluation: bool) -> LangGraphAgent:

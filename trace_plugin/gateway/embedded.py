@@ -56,6 +56,7 @@ class EmbeddedBackend:
         self.batch_window_s = batch_window_s
         self.max_lora_rank = max_lora_rank
         self.model, self.tokenizer = load_model(self.model_dir, precision=precision)
+        self.dtype = self.model.dtype  # the weights'; adapters stay float32, as PEFT loads them
         self.context: int | None = getattr(self.model.config, "max_position_embeddings", None)
         # No token decodes to more characters than the longest vocabulary entry: a prompt
         # longer than context x that cannot fit, and is refused before it is tokenized.
