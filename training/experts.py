@@ -282,7 +282,7 @@ class RolloutFunction:
         rng = random.Random(f"{self.config.seed}/{trainer.state.global_step}")
         generate = self.backend(trainer)
         group_seeds = [json.loads(p)["seed"] for p in prompts[::size]]
-        groups = self._play_groups(group_seeds, rng, generate)
+        groups = [self._play_group(seed, rng, generate) for seed in group_seeds]
         flat = [i for i, g in enumerate(groups) if _flat(g)]
         zero_signal, resampled = len(flat), 0
         used = set(group_seeds)
@@ -290,9 +290,9 @@ class RolloutFunction:
         for _ in range(self.config.resample_rounds):
             if not flat or not fresh:
                 break
-            retry = [fresh.pop(rng.randrange(len(fresh))) for _ in flat]
+            retry = {i: self._play_group(fresh.pop(rng.randrange(len(fresh))), rng, generate) for i in flat}
             resampled += len(retry)
-            for i, group in zip(flat, self._play_groups(retry, rng, generate), strict=True):
+            for i, group in retry.items():
                 groups[i] = group
             flat = [i for i in flat if _flat(groups[i])]
         eos = self.player.eos
@@ -334,24 +334,13 @@ class RolloutFunction:
                 log_metric(name, float(value))
         return list(env_reward)
 
-    def _play_groups(
-        self, seeds: Sequence[int], rng: random.Random, generate: Generate
-    ) -> list[list[Rollout]]:
-        """A group of rollouts per seed, all played as one batch (a decode step costs
-        little more for several groups' rows than for one group's)."""
-        size = self.config.num_generations
-        all_seeds: list[int] = []
-        all_hints: list[HintValue | None] = []
-        for seed in seeds:
-            hint = None
-            if self.hint is not None:
-                hint = self.hint(self._task(seed)) if callable(self.hint) else self.hint
-            # Stochastic rounding: exactly hint_fraction of the rollouts in expectation, hinted ones first.
-            hinted = int(self.config.hint_fraction * size + rng.random()) if hint else 0
-            all_seeds += [seed] * size
-            all_hints += [hint] * hinted + [None] * (size - hinted)
-        rollouts = self.player.play(all_seeds, all_hints, generate)
-        return [rollouts[i : i + size] for i in range(0, len(rollouts), size)]
+    def _play_group(self, seed: int, rng: random.Random, generate: Generate) -> list[Rollout]:
+        size, hint = self.config.num_generations, None
+        if self.hint is not None:
+            hint = self.hint(self._task(seed)) if callable(self.hint) else self.hint
+        # Stochastic rounding: exactly hint_fraction of the rollouts in expectation, hinted ones first.
+        hinted = int(self.config.hint_fraction * size + rng.random()) if hint else 0
+        return self.player.play([seed] * size, [hint] * hinted + [None] * (size - hinted), generate)
 
     def _task(self, seed: int) -> Task:
         if seed not in self._tasks:
