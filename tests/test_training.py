@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -29,7 +30,7 @@ from training.experts import (
     hf_generate,
     weights_sha256,
 )
-from training.lora import is_noop, random_adapter
+from training.lora import folded, is_noop, random_adapter
 
 
 class EchoEnv:
@@ -196,7 +197,7 @@ def test_rollouts_resample_flat_groups_then_drop_them(tokenizer):
     )
     hint = lambda task: "Echo it." if task.seed % 2 == 0 else None  # noqa: E731
     rollouts = RolloutFunction(
-        config, player, seeds=[1, 2, 3, 5, 7], hint=hint, generate=lambda trainer: policy
+        config, player, seeds=[1, 2, 3, 5, 7], hint=hint, generate=lambda trainer: nullcontext(policy)
     )
     trainer = SimpleNamespace(state=SimpleNamespace(global_step=0))
 
@@ -224,7 +225,9 @@ def test_resampling_finds_signal_on_a_fresh_seed(tokenizer):
         tokenizer, lambda text: echo_policy(text) if "Hint:" in text or "<tool_response>" in text else "No."
     )
     hint = lambda task: "Echo it." if task.seed == 4 else None  # noqa: E731
-    rollouts = RolloutFunction(config, player, seeds=[1, 4], hint=hint, generate=lambda trainer: policy)
+    rollouts = RolloutFunction(
+        config, player, seeds=[1, 4], hint=hint, generate=lambda trainer: nullcontext(policy)
+    )
     out = rollouts([json.dumps({"seed": 1})] * 2, SimpleNamespace(state=SimpleNamespace(global_step=5)))
     assert out["env_reward"] == [1.0, 0.0] and 1 in out["env_mask"][0]
     assert "My number is 4." in tokenizer.decode(out["prompt_ids"][0])
@@ -377,6 +380,38 @@ def test_an_adapter_no_step_reached_is_the_base_model(tmp_path):
     get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "fresh")
     assert is_noop(tmp_path / "fresh")
     assert not is_noop(random_adapter(resolve_model(), tmp_path / "random", seed=0, rank=2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_a_folded_lora_computes_the_adapted_model_and_leaves_every_weight_as_it_was(tmp_path, precision):
+    """Rollouts generate with each LoRA folded into a copy of its base weight; the copy must
+    compute the adapted network, and leaving (even by an error) must restore the exact tensors."""
+    import torch
+    from peft import PeftModel
+
+    from trace_plugin.model_files import load_model
+
+    base, _ = load_model(resolve_model(), precision=precision)
+    random_adapter(resolve_model(), tmp_path / "lora", seed=3, scale=4.0)
+    model = PeftModel.from_pretrained(base, str(tmp_path / "lora")).eval()
+    ids = torch.tensor([list(range(100, 164))])
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        adapted = model(ids).logits.float()
+        with model.disable_adapter():
+            plain = model(ids).logits.float()
+        with pytest.raises(RuntimeError, match="mid-rollout"), folded(model):
+            inside = model(ids).logits.float()
+            raise RuntimeError("mid-rollout")
+        after = model(ids).logits.float()
+    error, effect = (inside - adapted).abs(), (plain - adapted).abs().mean()
+    if precision == "float32":
+        assert error.max() < 1e-3
+    else:  # W + BA rounded once to bf16: an error far below what the adapter itself changes
+        assert error.mean() < effect / 50
+    assert torch.equal(after, adapted)
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
 
 
 def test_a_batch_shares_its_common_opening_but_each_row_keeps_a_token_to_run():

@@ -46,8 +46,8 @@ import random
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +64,7 @@ from trace_plugin.model_files import load_model, resolve_model
 from trace_plugin.records.outcome import reward_succeeds
 from trace_plugin.tool_calls import parse_completion
 from training.config import ExpertTrainingConfig
-from training.lora import ADAPTER_WEIGHTS
+from training.lora import ADAPTER_WEIGHTS, folded
 
 # Text appended to the ticket, or worked example turns placed just before it (a small
 # model copies a demonstrated tool call far more readily than it follows an instruction).
@@ -270,31 +270,33 @@ class RolloutFunction:
         player: EpisodePlayer,
         seeds: Sequence[int],
         hint: Hint | None,
-        generate: Callable[[Any], Generate],
+        generate: Callable[[Any], AbstractContextManager[Generate]],
     ) -> None:
         self.config, self.player, self.seeds, self.hint = config, player, list(seeds), hint
-        self.backend = generate  # trainer -> Generate
+        self.backend = generate  # trainer -> a context holding the policy's Generate
         self._stats: dict[str, float] = {}
         self._tasks: dict[int, Task] = {}
 
     def __call__(self, prompts: list[str], trainer: Any) -> dict[str, Any]:
         size, start = self.config.num_generations, time.monotonic()
         rng = random.Random(f"{self.config.seed}/{trainer.state.global_step}")
-        generate = self.backend(trainer)
-        group_seeds = [json.loads(p)["seed"] for p in prompts[::size]]
-        groups = [self._play_group(seed, rng, generate) for seed in group_seeds]
-        flat = [i for i, g in enumerate(groups) if _flat(g)]
-        zero_signal, resampled = len(flat), 0
-        used = set(group_seeds)
-        fresh = [s for s in self.seeds if s not in used]
-        for _ in range(self.config.resample_rounds):
-            if not flat or not fresh:
-                break
-            retry = {i: self._play_group(fresh.pop(rng.randrange(len(fresh))), rng, generate) for i in flat}
-            resampled += len(retry)
-            for i, group in retry.items():
-                groups[i] = group
-            flat = [i for i in flat if _flat(groups[i])]
+        with self.backend(trainer) as generate:
+            group_seeds = [json.loads(p)["seed"] for p in prompts[::size]]
+            groups = [self._play_group(seed, rng, generate) for seed in group_seeds]
+            flat = [i for i, g in enumerate(groups) if _flat(g)]
+            zero_signal, resampled = len(flat), 0
+            used = set(group_seeds)
+            fresh = [s for s in self.seeds if s not in used]
+            for _ in range(self.config.resample_rounds):
+                if not flat or not fresh:
+                    break
+                retry = {
+                    i: self._play_group(fresh.pop(rng.randrange(len(fresh))), rng, generate) for i in flat
+                }
+                resampled += len(retry)
+                for i, group in retry.items():
+                    groups[i] = group
+                flat = [i for i in flat if _flat(groups[i])]
         eos = self.player.eos
         for i in flat:
             # Still no signal: drop the group. It would add zero to the loss and, masked, zero to the
@@ -552,16 +554,20 @@ class ExpertTrainer:
             examples=self.examples,
         )
 
-        def backend(trainer: Any) -> Generate:
+        @contextmanager
+        def backend(trainer: Any) -> Iterator[Generate]:
             if config.backend == "vllm":
-                return _vllm_generate(trainer)
-            return hf_generate(
-                trainer.accelerator.unwrap_model(trainer.model),
-                tokenizer,
-                max_new_tokens=config.max_completion_length,
-                temperature=config.temperature,
-                share_prefix=config.share_prompt,
-            )
+                yield _vllm_generate(trainer)
+                return
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            with folded(model):  # one rollout call, one policy: its LoRA merged while it plays
+                yield hf_generate(
+                    model,
+                    tokenizer,
+                    max_new_tokens=config.max_completion_length,
+                    temperature=config.temperature,
+                    share_prefix=config.share_prompt,
+                )
 
         rollouts = RolloutFunction(config, player, self.seeds, self.hint, backend)
         # Prompts are plain strings naming a seed: no chat-format schema for datasets to merge.
