@@ -6,6 +6,8 @@ Side by side in one run, on the embedded SmolLM2-135M (CPU):
 - seconds from ``POST /v1/load_lora_adapter`` (rank 8) to the first response served by
   that adapter, which includes validation, loading, the liveness probe and the request;
 - the share of request time spent in the router (keyword router, agent-addressed requests);
+- seconds per token through a two-adapter mixture (one rank-concatenated adapter, composed
+  on its first request) against through one of its adapters, alternating;
 - failed requests while a new version is hot-swapped under 8 concurrent clients;
 - agent prompts (the retail policy, tool schemas and a ticket, four at once) with the
   embedded backend's prefix cache holding their shared opening, against no cache;
@@ -129,6 +131,18 @@ def routing_overhead(app, url: str, requests: int) -> float:
             )
             total += time.perf_counter() - start
     return app.state.routing_seconds / total
+
+
+def mixture_cost(url: str, single: str, mixture: str, rounds: int, max_tokens: int) -> float:
+    """Seconds per generated token through a two-adapter mixture ÷ through one adapter, same
+    prompts, alternating; one request each first, which composes and loads the mixture."""
+    for model in (single, mixture):
+        gateway_tokens_per_s(url, model, 1, 4)
+    tokens_per_s: dict[str, list[float]] = {single: [], mixture: []}
+    for _ in range(rounds):
+        for model, measured in tokens_per_s.items():
+            measured.append(gateway_tokens_per_s(url, model, 1, max_tokens)[0])
+    return sum(tokens_per_s[single]) / sum(tokens_per_s[mixture])
 
 
 def swap_under_load(url: str, name: str, path: str, clients: int, per_client: int) -> tuple[int, int]:
@@ -298,7 +312,7 @@ def main() -> None:
         root = Path(tmp)
         random_adapter(backend.model_dir, root / "probe", seed=4)
         batch_s = adapter_batch_seconds(backend, root / "probe", rounds + 1, max_tokens)
-        for name, seed in (("refunds/1", 1), ("refunds/2", 2), ("refunds/3", 3)):
+        for name, seed in (("refunds/1", 1), ("refunds/2", 2), ("refunds/3", 3), ("returns/1", 5)):
             random_adapter(backend.model_dir, root / name, seed=seed)
         recorder = Recorder(f"sqlite:///{root / 'bench.db'}")
         app = create_app(
@@ -317,6 +331,8 @@ def main() -> None:
             gateway_tps, direct_tps = sum(via_gateway) / rounds, sum(direct) / rounds
             load_s = first_response_after_load(server.url, "refunds@1", "refunds/1")
             route_frac = routing_overhead(app, server.url, route_requests)
+            first_response_after_load(server.url, "returns@1", "returns/1")
+            mixture_ratio = mixture_cost(server.url, "refunds", "refunds:0.5,returns:0.5", rounds, max_tokens)
             failed, served = swap_under_load(server.url, "refunds@2", "refunds/2", 8, per_client)
             no_stops_s, stops_s = stop_list_stall(server.url, backend.model_id, stop_rounds)
         recorder.close()
@@ -329,6 +345,7 @@ def main() -> None:
     table.add_row("throughput ratio", f"{gateway_tps / direct_tps:.3f}", "≥ 0.9")
     table.add_row("load_lora_adapter → first response (rank 8)", f"{load_s:.3f} s", "< 1 s")
     table.add_row("routing share of request time", f"{route_frac:.5f}", "≤ 0.10")
+    table.add_row("two-adapter mixture ÷ one adapter, per token", f"{mixture_ratio:.3f}", "≤ 1.5")
     table.add_row("failed requests during hot-swap", f"{failed} of {failed + served}", "0")
     table.add_row("4 agent prompts, no prefix cache", f"{uncached_s:.2f} s", "")
     table.add_row("4 agent prompts, cached opening", f"{cached_s:.2f} s", "")
@@ -364,6 +381,7 @@ def main() -> None:
                 "throughput_ratio": round(gateway_tps / direct_tps, 4),
                 "hotswap_first_response_s": round(load_s, 4),
                 "routing_overhead_frac": round(route_frac, 6),
+                "mixture_cost_ratio": round(mixture_ratio, 3),
                 "failed_requests_during_swap": failed,
                 "prefix_cache_speedup": round(uncached_s / cached_s, 3),
                 "expert_batch_cost_ratio": round(batch_s["expert"] / batch_s["base"], 3),

@@ -48,6 +48,7 @@ from trace_plugin.gateway.routing import router_from_spec  # noqa: E402
 from trace_plugin.improver import TRAINING_SEEDS  # noqa: E402
 from trace_plugin.mining.miner import OfflineMiner  # noqa: E402
 from trace_plugin.records.env_spec import EnvSpec  # noqa: E402
+from trace_plugin.records.mixture import Mixture  # noqa: E402
 from trace_plugin.records.outcome import reward_succeeds  # noqa: E402
 from training.lora import is_noop  # noqa: E402
 
@@ -261,7 +262,7 @@ def router_accuracy(
         task = RetailEnv().reset(seed)
         choice = asyncio.run(router.route([{"role": "user", "content": task.prompt}], None))
         counted += 1
-        agreed += choice == options[scores.index(max(scores))]
+        agreed += choice == Mixture.of(options[scores.index(max(scores))])
     return round(agreed / counted, 4) if counted else None
 
 

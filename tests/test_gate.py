@@ -10,6 +10,7 @@ from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv
 from trace_plugin.environments.synthesis import synthesize
 from trace_plugin.gateway.routing import RouterSpecError, gate_input, router_from_spec
+from trace_plugin.records.mixture import Mixture
 from training.gate import GateConfig, GateTrainer, fit_gate, oracle_choices
 
 
@@ -49,10 +50,10 @@ async def test_the_gate_routes_top_one_and_falls_back_below_its_threshold():
     }
     gate = router_from_spec(spec, Embeddings(table))
     assert gate.spec == spec
-    assert await gate.route(ask("right"), None) == "a@1"
-    assert await gate.route(ask("left"), None) is None
+    assert await gate.route(ask("right"), None) == Mixture.of("a@1")
+    assert await gate.route(ask("left"), None) == Mixture()
     unsure = router_from_spec({**spec, "threshold": 0.9}, Embeddings(table))
-    assert await unsure.route(ask("Hello."), None) is None  # p(a@1) is 0.55 there
+    assert await unsure.route(ask("Hello."), None) == Mixture()  # p(a@1) is 0.55 there
     with pytest.raises(RouterSpecError, match="expects 2-d"):
         await router_from_spec(spec, Embeddings({gate_input("x"): [1.0, 2.0, 3.0]})).route(ask("x"), None)
     for bad in (
@@ -77,7 +78,7 @@ async def test_a_fitted_gate_separates_what_its_labels_separate():
     held_out = {f"request {i}": rng.choice(list(centers)) for i in range(60)}
     table = {gate_input(text): sample(label) for text, label in held_out.items()}
     gate = router_from_spec(spec, Embeddings(table))
-    right = [await gate.route(ask(text), None) == label for text, label in held_out.items()]
+    right = [await gate.route(ask(text), None) == Mixture.of(label) for text, label in held_out.items()]
     assert sum(right) / len(right) >= 0.95
     with pytest.raises(ValueError, match="base model"):
         GateTrainer().train([[0.0]], ["a@1"], ["a@1", "b@1"])
@@ -109,7 +110,8 @@ async def test_a_gate_on_the_real_base_models_hidden_state_routes_held_out_reque
     spec = GateTrainer().train(embeddings, train_labels, [None, "lookup@1", "returns@1"])
     gate = router_from_spec(spec, embedded_backend)
     right = [
-        await gate.route(ask(text), None) == label for text, label in zip(test_text, test_labels, strict=True)
+        await gate.route(ask(text), None) == Mixture.of(label)
+        for text, label in zip(test_text, test_labels, strict=True)
     ]
     majority = max(test_labels.count(label) for label in set(test_labels)) / len(test_labels)
     assert sum(right) / len(right) >= max(0.85, majority + 0.2)
@@ -136,5 +138,5 @@ async def test_fit_gate_plays_every_choice_and_learns_which_environment_each_win
     right = 0
     for spec, adapter in zip(specs, adapters, strict=True):
         for seed in range(100, 110):  # held-out practice tasks
-            right += await gate.route(ask(SpecEnv(spec).reset(seed).prompt), None) == adapter
+            right += await gate.route(ask(SpecEnv(spec).reset(seed).prompt), None) == Mixture.of(adapter)
     assert right / 20 >= 0.9

@@ -16,6 +16,7 @@ from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.improver import GateFit, Improver, ImproverConfig, Verdict, judge, router_spec
 from trace_plugin.records.deployment import Deployment
 from trace_plugin.records.job import Job
+from trace_plugin.records.router_spec import CorpusEntry
 from trace_plugin.records.trajectory import Episode, EpisodeEnd, new_id, utcnow
 from trace_plugin.store import Store
 from trace_plugin.store.lease import Lease, LeaseHeld
@@ -86,8 +87,15 @@ def test_one_expert_takes_all_traffic_several_are_classified(sqlite_url):
     store = Store(sqlite_url)
     store.upgrade()
     assert router_spec({"fmt": "fmt@abc"}, store, "a").to_dict() == {"kind": "static", "adapter": "fmt"}
-    spec = router_spec({"fmt": "fmt@abc", "refusal": "refusal@def"}, store, "a").to_dict()
+    two = {"fmt": "fmt@abc", "refusal": "refusal@def"}
+    spec = router_spec(two, store, "a").to_dict()
     assert spec["kind"] == "classifier" and [e["adapter"] for e in spec["experts"]] == ["fmt", "refusal"]
+    assert "retrieval" not in spec  # no corpus: hard top-1
+    corpus = [CorpusEntry(capability="fmt", request="r", solution="s", embedding=[1.0])]
+    spec = router_spec(two, store, "a", corpus, top_p=0.8).to_dict()
+    assert spec["retrieval"]["top_p"] == 0.8 and spec["retrieval"]["corpus"][0]["capability"] == "fmt"
+    with pytest.raises(ValueError, match="router must be one of"):
+        ImproverConfig("a", "http://x", "/tmp", router="bogus")
 
 
 def test_jobs_and_deployments_are_stored_once_per_id(db_url):
@@ -147,6 +155,75 @@ def test_monitor_rolls_back_when_live_success_falls(sqlite_url, monkeypatch):
     assert improver.monitor() is None  # nothing older to fall back to
 
 
+def _two_experts(store: Store, model_dir, root) -> dict[str, str]:
+    """Two ready experts of synthesized retail capabilities (random adapters): capability -> id."""
+    from trace_plugin.environments.retail import RetailEnv
+    from trace_plugin.environments.synthesis import synthesize
+    from trace_plugin.records.expert import Expert
+    from training.lora import random_adapter
+
+    experts = {}
+    for i, capability in enumerate(("communicating_facts", "policy_refusal")):
+        spec = synthesize(capability, RetailEnv.tools, system_prompt=RetailEnv.system_prompt)
+        record = store.save_env_spec("a", spec, "validated", {})
+        expert = Expert("a", capability, record.spec.name, record.version, "embedded", "", {}, status="ready")
+        expert.adapter_path = str(random_adapter(model_dir, root / capability, seed=i))
+        store.save_expert(expert)
+        experts[capability] = expert.id
+    return experts
+
+
+@pytest.mark.slow
+async def test_the_classifier_retrieves_from_reference_plays_and_routes_a_mixture(
+    sqlite_url, embedded_backend, tmp_path
+):
+    """TRACE's router from the route stage: a corpus of each environment's reference plays,
+    embedded through the real gateway, pinned in the spec; a request of one environment
+    retrieves that capability first, and the candidate router serves what it decides."""
+    import httpx
+
+    from trace_plugin.gateway.adapters import split_name
+    from trace_plugin.gateway.app import GatewayConfig, create_app
+    from trace_plugin.gateway.routing import router_from_spec
+    from trace_plugin.gateway.server import start_in_thread
+    from trace_plugin.records.mixture import Mixture
+
+    store = Store(sqlite_url)
+    store.upgrade()
+    experts = _two_experts(store, embedded_backend.model_dir, tmp_path)
+    config = GatewayConfig(adapter_root=tmp_path, agent="a", record=False)
+    with start_in_thread(create_app(embedded_backend, config=config)) as gateway:
+        improver = Improver(store, ImproverConfig("a", gateway.url, tmp_path, corpus_seeds=3))
+        router = (await improver._route(experts)).router.to_dict()
+        corpus = router["retrieval"]["corpus"]
+        assert router["kind"] == "classifier" and router["retrieval"]["top_p"] == 0.9
+        assert sorted(e["capability"] for e in corpus) == ["communicating_facts"] * 3 + ["policy_refusal"] * 3
+        assert all(len(e["embedding"]) == 576 and "(" in e["solution"] for e in corpus)
+        served = router_from_spec(router, embedded_backend)
+        for capability in experts:
+            request = SpecEnv(improver.spec(capability)).reset(77).prompt  # a task outside the corpus
+            candidates = await served.candidates(request)
+            assert candidates[0][0].name == capability
+        await improver.gateway.set_router(router, name="cycle-1")
+        r = httpx.post(
+            f"{gateway.url}/v1/chat/completions",
+            json={
+                "model": "router:cycle-1",
+                "messages": [{"role": "user", "content": request}],
+                "max_tokens": 2,
+            },
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        decided, model = await served.route([{"role": "user", "content": request}], None), r.json()["model"]
+        if decided:  # the gateway served the mixture the router decides, on the live versions
+            assert [(split_name(n)[0], w) for n, w in Mixture.parse(model).weights] == list(decided.weights)
+        else:
+            assert model == embedded_backend.model_id
+        top1 = Improver(store, ImproverConfig("a", gateway.url, tmp_path, router="top1"))
+        assert "retrieval" not in (await top1._route(experts)).router.to_dict()
+
+
 @pytest.mark.slow
 async def test_a_learned_gate_is_fitted_on_practice_tasks_and_served_as_a_candidate(
     sqlite_url, embedded_backend, tmp_path
@@ -160,19 +237,10 @@ async def test_a_learned_gate_is_fitted_on_practice_tasks_and_served_as_a_candid
     from trace_plugin.environments.synthesis import synthesize
     from trace_plugin.gateway.app import GatewayConfig, create_app
     from trace_plugin.gateway.server import start_in_thread
-    from trace_plugin.records.expert import Expert
-    from training.lora import random_adapter
 
     store = Store(sqlite_url)
     store.upgrade()
-    experts = {}
-    for i, capability in enumerate(("communicating_facts", "policy_refusal")):
-        spec = synthesize(capability, RetailEnv.tools, system_prompt=RetailEnv.system_prompt)
-        record = store.save_env_spec("a", spec, "validated", {})
-        expert = Expert("a", capability, record.spec.name, record.version, "embedded", "", {}, status="ready")
-        expert.adapter_path = str(random_adapter(embedded_backend.model_dir, tmp_path / capability, seed=i))
-        store.save_expert(expert)
-        experts[capability] = expert.id
+    experts = _two_experts(store, embedded_backend.model_dir, tmp_path)
     config = GatewayConfig(adapter_root=tmp_path, agent="a", record=False)
     with start_in_thread(create_app(embedded_backend, config=config)) as gateway:
         improver = Improver(

@@ -13,6 +13,7 @@ from trace_plugin.gateway.backend import BackendError
 from trace_plugin.gateway.embedded import EmbeddedBackend
 from trace_plugin.gateway.server import start_in_thread
 from trace_plugin.gateway.vllm import VLLMBackend
+from trace_plugin.records.mixture import Mixture
 from training.lora import random_adapter
 
 pytestmark = pytest.mark.slow
@@ -121,6 +122,25 @@ def test_runtime_lora_through_the_vllm_contract_and_hot_swap(stack):
     assert failures == [] and models[-1] == "alpha@2"
     loaded = {m["id"] for m in httpx.get(f"{inner.url}/v1/models").json()["data"]}
     assert "alpha@1" not in loaded, "the old version was unloaded from vLLM once drained"
+
+
+def test_a_mixture_is_one_composed_adapter_loaded_once_through_the_vllm_contract(stack):
+    """vLLM serves one adapter per request: a mixture reaches it as the rank-concatenation of
+    its weighted adapters, registered under a name derived from the weights, and reused."""
+    inner, outer = stack
+    for name, path in (("gamma@1", "alpha/1"), ("delta@1", "alpha/2")):
+        body = {"lora_name": name, "lora_path": path}
+        assert httpx.post(f"{outer.url}/v1/load_lora_adapter", json=body, timeout=60).status_code == 200
+    mixed = [chat(outer.url, "gamma:0.6,delta:0.4", "Tell me a fact.") for _ in range(2)]
+    assert mixed[0]["model"] == "delta@1:0.4,gamma@1:0.6"
+    composed = Mixture.parse(mixed[0]["model"]).served_name()
+    listed = httpx.get(f"{inner.url}/v1/models").json()["data"]
+    assert [m["id"] for m in listed if m["id"].startswith("mix-")] == [composed]  # loaded once, by its name
+    assert mixed[0]["choices"][0]["token_ids"] == mixed[1]["choices"][0]["token_ids"]
+    direct = chat(inner.url, composed, "Tell me a fact.")  # what vLLM itself serves under that name
+    assert mixed[0]["choices"][0]["token_ids"] == direct["choices"][0]["token_ids"]
+    single = chat(outer.url, "gamma", "Tell me a fact.")["choices"][0]["token_ids"]
+    assert single != mixed[0]["choices"][0]["token_ids"]
 
 
 def test_a_learned_gate_routes_through_the_vllm_contract(stack):

@@ -592,7 +592,10 @@ def improve(
     ray: Annotated[str | None, typer.Option(help="Train on this Ray cluster ('auto' or an address).")] = None,
     router: Annotated[
         str,
-        typer.Option(help="How several experts are chosen: classifier (the base model) or gate (learned)."),
+        typer.Option(
+            help="How several experts are chosen: classifier (the base model over retrieved candidates,"
+            " a top-p weighted mixture), top1 (its single best) or gate (learned)."
+        ),
     ] = "classifier",
     min_new_episodes: Annotated[
         int, typer.Option(help="Trigger: labeled episodes since the last cycle.")

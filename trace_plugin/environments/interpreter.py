@@ -253,6 +253,16 @@ def worked_example(spec: EnvSpec) -> list[dict[str, Any]]:
     ]
 
 
+def reference_play(spec: EnvSpec, seed: int) -> tuple[str, str] | None:
+    """A successful trajectory of ``spec`` on ``seed``, as a router retrieves it: the request,
+    and the reference calls that solve it as text; None when the task is unsatisfiable."""
+    task = SpecEnv(spec).reset(seed)
+    if not task.metadata["satisfiable"]:
+        return None
+    calls = [f"{r['name']}({json.dumps(r['arguments'], sort_keys=True)})" for r in task.metadata["reference"]]
+    return task.prompt, ", ".join(calls) or "a reply, with no tool call"
+
+
 def _fill(value: Any, values: dict[str, Any]) -> Any:
     """Placeholders replaced by sampled values; a string that is one placeholder keeps its type."""
     if isinstance(value, list):

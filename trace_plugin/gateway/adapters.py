@@ -5,6 +5,10 @@ registry answers with the live version, and counts the requests in flight on eac
 so an old version is unloaded only once drained. A new version becomes live only after
 the backend lists it and a probe request through it succeeds (ART issue #661: a stale
 adapter silently served after a reload).
+
+A mixture of several adapters is served as one composed adapter
+(:mod:`trace_plugin.gateway.composition`), written under the adapter root and loaded on
+first use under its deterministic name; the registry keeps the few most recent loaded.
 """
 
 from __future__ import annotations
@@ -12,12 +16,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trace_plugin.errors import TracePluginError
 from trace_plugin.gateway.backend import Backend, BackendError, SamplingParams
+from trace_plugin.records.mixture import Mixture
+
+MIXTURES_DIR = ".mixtures"  # under the adapter root: composed adapters, rebuilt on demand
 
 log = logging.getLogger("trace_plugin.gateway")
 
@@ -93,15 +101,19 @@ class _Version:
 class AdapterRegistry:
     """Which version of each adapter is live, and how to change that safely."""
 
-    def __init__(self, backend: Backend, root: str | Path, *, hot_swap: bool = True) -> None:
+    def __init__(
+        self, backend: Backend, root: str | Path, *, hot_swap: bool = True, mixtures: int = 4
+    ) -> None:
         self.backend = backend
         self.root = Path(root)
+        self.max_mixtures = max(1, mixtures)  # composed adapters kept loaded
         # False: vLLM's own semantics, every name independent, "a@2" does not replace "a@1".
         self.hot_swap = hot_swap
         self.live: dict[str, str] = {}  # name -> "name@version" serving new requests
         self.history: dict[str, list[str]] = {}  # name -> earlier live versions, newest last
         self._versions: dict[str, _Version] = {}  # every loaded "name@version"
         self._paths: dict[str, Path] = {}  # every version ever loaded, for rollback
+        self._mixtures: OrderedDict[str, _Version] = OrderedDict()  # composed, least recent first
         self._lock = asyncio.Lock()
 
     # -- request side (synchronous: atomic on the event loop) ------------------------------
@@ -116,11 +128,54 @@ class AdapterRegistry:
         return full
 
     def release(self, full: str) -> None:
-        version = self._versions.get(full)
+        version = self._versions.get(full) or self._mixtures.get(full)
         if version is not None:
             version.in_flight -= 1
             if version.in_flight == 0:
                 version.drained.set()
+
+    async def acquire_mixture(self, mixture: Mixture) -> tuple[str | None, Mixture]:
+        """The backend adapter that serves ``mixture`` now (None: the base model), pinned
+        until :meth:`release`, and the mixture on the versions it was made of.
+
+        One adapter is served as itself. Several are composed on first use, from the live
+        versions of their names: a new version makes a new composition, and the old one
+        ages out of the cache.
+        """
+        if (one := mixture.single()) is not None or not mixture:
+            full = self.acquire(one) if one is not None else None
+            return full, Mixture.of(full)
+        pinned = [self.acquire(name) for name in mixture.adapters]
+        try:
+            if None in pinned:
+                missing = [n for n, f in zip(mixture.adapters, pinned, strict=True) if f is None]
+                raise AdapterError(f"mixture names adapters that are not loaded: {missing}", 404)
+            resolved = mixture.resolved(dict(zip(mixture.adapters, pinned, strict=True)))  # type: ignore[arg-type]
+            served = resolved.served_name()
+            if served not in self._mixtures:
+                async with self._lock:
+                    if served not in self._mixtures:
+                        await self._compose(served, resolved)
+            self._mixtures.move_to_end(served)
+            version = self._mixtures[served]
+            version.in_flight += 1
+            version.drained.clear()
+            return served, resolved
+        finally:
+            for full in pinned:
+                if full is not None:
+                    self.release(full)
+
+    async def _compose(self, served: str, mixture: Mixture) -> None:
+        from trace_plugin.gateway.composition import compose_adapter
+
+        parts = [(self._versions[name].path, weight) for name, weight in mixture.weights]
+        # Composed afresh on every load: a name@version unloaded and loaded again may be other files.
+        path = await asyncio.to_thread(compose_adapter, parts, self.root / MIXTURES_DIR / served)
+        self._mixtures[served] = await self._load_verified(served, path)
+        while len(self._mixtures) > self.max_mixtures:
+            oldest, version = self._mixtures.popitem(last=False)
+            asyncio.get_running_loop().create_task(self._unload_drained(oldest, version))
 
     def listing(self) -> dict[str, str]:
         """Every servable model name → the loaded adapter behind it."""
@@ -142,7 +197,8 @@ class AdapterRegistry:
         async with self._lock:
             if full in self._versions:
                 raise AdapterError(f"adapter {full!r} is already loaded")
-            await self._load_verified(full, resolved)
+            self._versions[full] = await self._load_verified(full, resolved)
+            self._paths[full] = resolved
             return await self._make_live(name, full)
 
     async def unload(self, model: str) -> list[str]:
@@ -169,13 +225,13 @@ class AdapterRegistry:
             previous = history.pop()
             current = self.live.get(name)
             if previous not in self._versions:
-                await self._load_verified(previous, self._paths[previous])
+                self._versions[previous] = await self._load_verified(previous, self._paths[previous])
             self.live[name] = previous
             if current is not None:
                 await self._retire(current)
             return previous
 
-    async def _load_verified(self, full: str, path: Path) -> None:
+    async def _load_verified(self, full: str, path: Path) -> _Version:
         try:
             await self.backend.load_adapter(full, path)
         except BackendError as exc:
@@ -187,9 +243,9 @@ class AdapterRegistry:
         except Exception:
             await self.backend.unload_adapter(full)
             raise
-        self._versions[full] = _Version(path)
-        self._versions[full].drained.set()
-        self._paths[full] = path
+        version = _Version(path)
+        version.drained.set()
+        return version
 
     async def _make_live(self, name: str, full: str) -> str:
         previous = self.live.get(name)
@@ -209,6 +265,12 @@ class AdapterRegistry:
         if any(v == full for v in self.live.values()):  # rolled back to it meanwhile
             return
         self._versions.pop(full, None)
+        await self._unload_drained(full, version)
+
+    async def _unload_drained(self, full: str, version: _Version) -> None:
+        """Unload an adapter no new request can reach, once its requests are done."""
+        while version.in_flight:
+            await version.drained.wait()
         try:
             await self.backend.unload_adapter(full)
         except BackendError as exc:  # it no longer serves requests either way
@@ -219,4 +281,7 @@ class AdapterRegistry:
             "live": dict(self.live),
             "loaded": {f: {"path": str(v.path), "in_flight": v.in_flight} for f, v in self._versions.items()},
             "history": {k: list(v) for k, v in self.history.items()},
+            "mixtures": {
+                f: {"path": str(v.path), "in_flight": v.in_flight} for f, v in self._mixtures.items()
+            },
         }

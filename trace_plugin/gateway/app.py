@@ -49,6 +49,7 @@ from trace_plugin.gateway.routing import (
     router_version,
 )
 from trace_plugin.recorder import Recorder
+from trace_plugin.records.mixture import Mixture
 from trace_plugin.records.trajectory import check_agent_name, utcnow
 from trace_plugin.tool_calls import parse_completion
 from trace_plugin.tracer import Tracer
@@ -177,13 +178,24 @@ def create_app(
 
     async def select(
         model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-    ) -> tuple[str | None, str | None]:
-        """The adapter name a request asks for, or that the router picks (None is the base),
-        and the version of the router that picked it (None when the request named it)."""
-        if model in registry.listing():
-            return model, None
+    ) -> tuple[Mixture, str | None]:
+        """The adapters a request asks for (an adapter's name, or a mixture's label), or
+        that the router picks, and the version of the router that picked them (None when the
+        request named them)."""
+        listing = registry.listing()
+        if model in listing:
+            return Mixture.of(model), None
         if model == BASE_MODEL:
-            return None, None
+            return Mixture(), None
+        if ":" in model and not model.startswith(ROUTER_PREFIX):
+            try:
+                mixture = Mixture.parse(model)
+            except ValueError as exc:
+                raise GatewayError(400, str(exc)) from exc
+            missing = [name for name in mixture.adapters if name not in listing]
+            if missing:
+                raise GatewayError(404, f"mixture names adapters that are not loaded: {missing}")
+            return mixture, None
         routed = model in {backend.model_id, config.agent, "default", *config.agent_aliases}
         candidate = (
             app.state.candidates.get(model.removeprefix(ROUTER_PREFIX))
@@ -195,15 +207,21 @@ def create_app(
             start = time.perf_counter()
             choice = await router.route(messages, tools)
             app.state.routing_seconds += time.perf_counter() - start
-            return (choice if choice in registry.listing() else None), router_version(router.spec)
+            # An adapter unloaded since the router was set serves nobody; the rest keep their shares.
+            available = {name: w for name, w in choice.weights if name in listing}
+            return Mixture.of(available), router_version(router.spec)
         raise GatewayError(404, f"model {model!r} does not exist", "invalid_request_error", "model_not_found")
 
     async def generate(
-        prompt: str, params: SamplingParams, adapter: str | None
+        prompt: str, params: SamplingParams, mixture: Mixture
     ) -> tuple[list[Completion], str | None]:
-        full = registry.acquire(adapter) if adapter else None
+        """The completions, and the label of what served them (None: the base model)."""
         try:
-            return await backend.generate(prompt, params, full), full
+            full, served = await registry.acquire_mixture(mixture)
+        except AdapterError as exc:
+            raise GatewayError(exc.status, str(exc)) from exc
+        try:
+            return await backend.generate(prompt, params, full), served.label() or None
         except BackendError as exc:
             raise GatewayError(
                 exc.status, str(exc), "server_error" if exc.status >= 500 else "invalid_request_error"

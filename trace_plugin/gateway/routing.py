@@ -1,7 +1,9 @@
-"""Routers: which adapter serves a request that names the agent or the base model.
+"""Routers: which adapters serve a request that names the agent or the base model.
 
-A router sees the conversation and the offered tools and names an adapter (its
-unversioned name: the registry picks the live version) or None for the base model. Every
+A router sees the conversation and the offered tools and returns a
+:class:`~trace_plugin.records.mixture.Mixture`: adapters (by unversioned name: the registry
+picks the live versions) and their weights, empty for the base model; one adapter at
+weight 1 is a plain choice. Every
 router is described by a JSON spec (``router.spec``, the wire form of a
 :mod:`trace_plugin.records.router_spec` model), which is what deployments store and what the
 gateway's admin API accepts, so a router version can be deployed, recorded and rolled back
@@ -23,11 +25,14 @@ from typing import Any, Protocol
 
 from trace_plugin.chat_template import content_text, gate_input
 from trace_plugin.gateway.backend import Backend, SamplingParams
+from trace_plugin.records.mixture import Mixture
 from trace_plugin.records.router_spec import (
     ClassifierSpec,
+    CorpusEntry,
     ExpertEntry,
     GateSpec,
     KeywordSpec,
+    Retrieval,
     RouterSpec,
     RouterSpecError,
     StaticSpec,
@@ -40,6 +45,7 @@ __all__ = [
     "ExpertChoice",
     "GateRouter",
     "KeywordRouter",
+    "Mixture",
     "Router",
     "RouterSpecError",
     "StaticRouter",
@@ -53,9 +59,7 @@ __all__ = [
 class Router(Protocol):
     spec: dict[str, Any]
 
-    async def route(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-    ) -> str | None: ...
+    async def route(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Mixture: ...
 
 
 class StaticRouter:
@@ -65,8 +69,8 @@ class StaticRouter:
         self.adapter = adapter
         self.spec = StaticSpec(adapter=adapter).to_dict()
 
-    async def route(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
-        return self.adapter
+    async def route(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Mixture:
+        return Mixture.of(self.adapter)
 
 
 class KeywordRouter:
@@ -82,12 +86,12 @@ class KeywordRouter:
         self.default = default
         self.spec = KeywordSpec(rules=[(list(w), a) for w, a in rules], default=default).to_dict()
 
-    async def route(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
+    async def route(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Mixture:
         text = _last_user(messages)
         for pattern, adapter in self.rules:
             if pattern.search(text):
-                return adapter
-        return self.default
+                return Mixture.of(adapter)
+        return Mixture.of(self.default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,33 +105,39 @@ class _Decisions:
     """Routing decisions by request text: every turn of a conversation gets one expert."""
 
     def __init__(self, size: int = 4096) -> None:
-        self._cache: OrderedDict[str, str | None] = OrderedDict()
+        self._cache: OrderedDict[str, Mixture] = OrderedDict()
         self.size = size
 
-    def get(self, request: str) -> tuple[bool, str | None]:
+    def get(self, request: str) -> Mixture | None:
         key = hashlib.sha256(request.encode()).hexdigest()
         if key not in self._cache:
-            return False, None
+            return None
         self._cache.move_to_end(key)
-        return True, self._cache[key]
+        return self._cache[key]
 
-    def put(self, request: str, choice: str | None) -> None:
+    def put(self, request: str, choice: Mixture) -> None:
         self._cache[hashlib.sha256(request.encode()).hexdigest()] = choice
         if len(self._cache) > self.size:
             self._cache.popitem(last=False)
 
 
 class ClassifierRouter:
-    """The base model as classifier (TRACE): one forward pass scores a letter per expert.
+    """The base model as classifier (TRACE): one forward pass scores a letter per candidate.
 
-    The prompt lists each capability as ``A: name — description`` plus ``N: none``; the
-    letters' next-token log-probabilities, renormalized over the letters, decide. Below
-    ``threshold`` (or on ``N``) the request goes to the base model. Decisions are cached
-    by the request (the latest user message: tool turns do not change it, few-shot
-    examples before it do not matter), so every turn of a conversation has the same expert.
+    The prompt lists each candidate as ``A: name — description`` plus ``N: none``; the
+    letters' next-token probabilities, renormalized over the letters, decide. Without
+    ``retrieval`` every expert is a candidate and the top letter wins if it reaches
+    ``threshold`` (hard top-1). With it (TRACE's router), the request's embedding retrieves
+    the ``k`` most similar successful trajectories; their capabilities are the candidates,
+    each shown with its retrieved trajectory, which keeps the choice small as capabilities
+    grow. If ``N`` is the most probable label the base model serves; otherwise the smallest
+    set of labels whose probability exceeds ``top_p`` is kept, and the candidates in it are
+    weighted by their probabilities. Decisions are cached by the request (the latest user
+    message: tool turns do not change it), so a conversation keeps its mixture.
     """
 
     NONE = "N"
+    LETTERS = "ABCDEFGHIJKLM"  # N is taken
 
     def __init__(
         self,
@@ -135,55 +145,95 @@ class ClassifierRouter:
         experts: Sequence[ExpertChoice],
         *,
         threshold: float = 0.5,
+        retrieval: Retrieval | None = None,
         cache_size: int = 4096,
     ) -> None:
-        if not experts or len(experts) > 13:
-            raise RouterSpecError("a classifier router needs between 1 and 13 experts")
+        if not experts or len(experts) > len(self.LETTERS):
+            raise RouterSpecError(f"a classifier router needs between 1 and {len(self.LETTERS)} experts")
         self.backend, self.experts = backend, list(experts)
-        self.threshold = threshold
-        self.letters = [chr(ord("A") + i) for i in range(len(self.experts))]
+        self.threshold, self.retrieval = threshold, retrieval
+        self._by_name = {e.name: e for e in self.experts}
+        self._corpus = [(_unit(e.embedding), e) for e in retrieval.corpus] if retrieval else []
         self._decisions = _Decisions(cache_size)
         self.spec = ClassifierSpec(
             experts=[ExpertEntry(adapter=e.adapter, name=e.name, description=e.description) for e in experts],
             threshold=threshold,
+            retrieval=retrieval,
         ).to_dict()
 
-    def prompt(self, request: str) -> str:
-        options = "\n".join(
-            f"{letter}: {e.name} — {e.description}"
-            for letter, e in zip(self.letters, self.experts, strict=True)
+    async def candidates(self, request: str) -> list[tuple[ExpertChoice, CorpusEntry | None]]:
+        """The experts to choose from, each with the trajectory that made it a candidate."""
+        if self.retrieval is None:
+            return [(e, None) for e in self.experts]
+        [query] = await self.backend.embed([gate_input(request)])
+        if len(query) != len(self._corpus[0][0]):
+            raise RouterSpecError(
+                f"the corpus holds {len(self._corpus[0][0])}-d embeddings, got {len(query)}"
+            )
+        unit = _unit(query)
+        nearest = sorted(
+            self._corpus, key=lambda item: -sum(a * b for a, b in zip(unit, item[0], strict=True))
         )
+        found: dict[str, CorpusEntry] = {}
+        for _, entry in nearest[: self.retrieval.k]:
+            found.setdefault(entry.capability, entry)
+        return [(self._by_name[name], entry) for name, entry in found.items()]
+
+    def prompt(self, request: str, candidates: Sequence[tuple[ExpertChoice, CorpusEntry | None]]) -> str:
+        options = []
+        for letter, (expert, example) in zip(self.LETTERS, candidates, strict=False):
+            options.append(f"{letter}: {expert.name} — {expert.description}")
+            if example is not None:
+                options.append(f"   e.g. {example.request[:300]!r} was solved by: {example.solution[:300]}")
         system = (
             "Which skill does answering this request need most? Options:\n"
-            f"{options}\n{self.NONE}: none of these\nReply with the letter only."
+            + "\n".join(options)
+            + f"\n{self.NONE}: none of these\nReply with the letter only."
         )
         messages = [{"role": "system", "content": system}, {"role": "user", "content": request[:1000]}]
         return self.backend.render(messages, None)
 
-    def probabilities(self, top: dict[str, float]) -> dict[str, float]:
-        """Renormalized letter probabilities from a position's top log-probabilities."""
+    def probabilities(self, top: dict[str, float], letters: str) -> dict[str, float]:
+        """Label probabilities (``letters`` and ``N``), renormalized, from a position's top logprobs."""
         scores: dict[str, float] = {}
         for token, logprob in top.items():
-            letter = token.strip().upper()
-            if letter in (*self.letters, self.NONE) and len(letter) == 1:
-                scores[letter] = scores.get(letter, 0.0) + math.exp(logprob)
+            label = token.strip().upper()
+            if len(label) == 1 and label in (*letters, self.NONE):
+                scores[label] = scores.get(label, 0.0) + math.exp(logprob)
         total = sum(scores.values())
         return {k: v / total for k, v in scores.items()} if total else {}
 
-    async def route(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
+    def decide(self, probabilities: dict[str, float], adapters: Sequence[str]) -> Mixture:
+        """The mixture label probabilities call for; ``adapters[i]`` is letter i's."""
+        if not probabilities:
+            return Mixture()
+        ranked = sorted(probabilities, key=lambda label: -probabilities[label])
+        if ranked[0] == self.NONE:
+            return Mixture()
+        if self.retrieval is None:
+            best = ranked[0]
+            return Mixture.of(
+                adapters[self.LETTERS.index(best)] if probabilities[best] >= self.threshold else None
+            )
+        kept, mass = [], 0.0
+        for label in ranked:  # the nucleus: the smallest set whose probability exceeds top_p
+            kept.append(label)
+            mass += probabilities[label]
+            if mass > self.retrieval.top_p:
+                break
+        return Mixture.of({adapters[self.LETTERS.index(k)]: probabilities[k] for k in kept if k != self.NONE})
+
+    async def route(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Mixture:
         request = _last_user(messages)
-        known, choice = self._decisions.get(request)
-        if known:
-            return choice
+        if (known := self._decisions.get(request)) is not None:
+            return known
+        candidates = await self.candidates(request)
         [completion] = await self.backend.generate(
-            self.prompt(request), SamplingParams(max_tokens=1, top_logprobs=20), None
+            self.prompt(request, candidates), SamplingParams(max_tokens=1, top_logprobs=20), None
         )
-        probabilities = self.probabilities((completion.top_logprobs or [{}])[0])
-        choice = None
-        if probabilities:
-            letter = max(probabilities, key=probabilities.__getitem__)
-            if letter != self.NONE and probabilities[letter] >= self.threshold:
-                choice = self.experts[self.letters.index(letter)].adapter
+        letters = self.LETTERS[: len(candidates)]
+        probabilities = self.probabilities((completion.top_logprobs or [{}])[0], letters)
+        choice = self.decide(probabilities, [expert.adapter for expert, _ in candidates])
         self._decisions.put(request, choice)
         return choice
 
@@ -240,15 +290,14 @@ class GateRouter:
         total = sum(exps)
         return [e / total for e in exps]
 
-    async def route(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str | None:
+    async def route(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Mixture:
         request = _last_user(messages)
-        known, choice = self._decisions.get(request)
-        if known:
-            return choice
+        if (known := self._decisions.get(request)) is not None:
+            return known
         [embedding] = await self.backend.embed([gate_input(request)])
         probabilities = self.probabilities(embedding)
         best = max(range(len(probabilities)), key=probabilities.__getitem__)
-        choice = self.choices[best] if probabilities[best] >= self.threshold else None
+        choice = Mixture.of(self.choices[best] if probabilities[best] >= self.threshold else None)
         self._decisions.put(request, choice)
         return choice
 
@@ -264,7 +313,7 @@ def router_from_spec(spec: RouterSpec | dict[str, Any], backend: Backend) -> Rou
             return KeywordRouter(model.rules, model.default)
         if isinstance(model, ClassifierSpec):
             experts = [ExpertChoice(e.adapter, e.name, e.description) for e in model.experts]
-            return ClassifierRouter(backend, experts, threshold=model.threshold)
+            return ClassifierRouter(backend, experts, threshold=model.threshold, retrieval=model.retrieval)
         return GateRouter(
             backend,
             model.choices,
@@ -283,6 +332,11 @@ def router_from_spec(spec: RouterSpec | dict[str, Any], backend: Backend) -> Rou
 def referenced_adapters(spec: RouterSpec | dict[str, Any]) -> set[str]:
     """Every adapter a (valid) router spec can send requests to."""
     return {name for name in parse_router_spec(spec).adapters() if name is not None}
+
+
+def _unit(vector: Sequence[float]) -> list[float]:
+    norm = math.sqrt(sum(v * v for v in vector)) or 1.0
+    return [v / norm for v in vector]
 
 
 def _last_user(messages: list[dict[str, Any]]) -> str:

@@ -5,14 +5,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, get_args
 
 from training.config import ExpertTrainingConfig
 
 HELD_OUT_SEEDS = range(3_000_000, 3_000_200)  # synthesized environments' evaluation seeds
 GATE_SEEDS = range(4_000_000, 4_000_200)  # the practice tasks a learned gate is fitted on
+CORPUS_SEEDS = range(5_000_000, 5_000_200)  # the reference plays a classifier's retrieval corpus holds
 TRAINING_SEEDS = range(0, 2_000)
 CALIBRATION_SEEDS_START = 2_000_000
+Router = Literal["classifier", "top1", "gate"]
 
 
 @dataclass
@@ -44,8 +46,12 @@ class ImproverConfig:
     training: ExpertTrainingConfig | Mapping[str, Any] = field(default_factory=dict)
     train_with_examples: bool = True  # behind the agent's own few-shot context, as it is served
     model: str | None = None  # local base model dir; None is the embedded default
-    # routing: several experts are chosen by the base model as "classifier", or a learned "gate"
-    router: Literal["classifier", "gate"] = "classifier"
+    # routing: several experts are chosen by the base model as "classifier" (TRACE's: retrieved
+    # candidates, a top-p weighted mixture), as "top1" (the classifier's single best), or by a
+    # learned "gate"
+    router: Router = "classifier"
+    corpus_seeds: int = 4  # reference plays per environment in the classifier's retrieval corpus
+    top_p: float = 0.9  # the classifier's nucleus
     gate_seeds: int = 16  # practice tasks per environment the gate is fitted on
     # evaluation, verdict, monitor
     eval_seeds: int = 16  # held-out seeds per synthesized environment
@@ -58,6 +64,8 @@ class ImproverConfig:
     lease_ttl: float = 30.0  # on SQLite, how long a killed improver keeps others out
 
     def __post_init__(self) -> None:
+        if self.router not in get_args(Router):
+            raise ValueError(f"router must be one of {get_args(Router)}, not {self.router!r}")
         if not isinstance(self.training, ExpertTrainingConfig):
             self.training = ExpertTrainingConfig.preset(self.preset, **dict(self.training))
 

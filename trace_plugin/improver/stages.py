@@ -8,20 +8,29 @@ idempotent when re-run after a kill: what it writes is keyed by ids derived from
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from trace_plugin.chat_template import gate_input
 from trace_plugin.environments.catalog import chat_player, prepare_environment
+from trace_plugin.environments.interpreter import reference_play
 from trace_plugin.environments.validation import Band
 from trace_plugin.gateway.adapters import split_name
-from trace_plugin.improver.config import CALIBRATION_SEEDS_START, GATE_SEEDS, TRAINING_SEEDS
+from trace_plugin.improver.config import CALIBRATION_SEEDS_START, CORPUS_SEEDS, GATE_SEEDS, TRAINING_SEEDS
 from trace_plugin.improver.errors import DeployError, ImproverError
 from trace_plugin.improver.outputs import Deployed, GateFit, Mined, Routing, Synthesized, Trained
 from trace_plugin.mining.miner import OfflineMiner
 from trace_plugin.records.deployment import Deployment
 from trace_plugin.records.env_spec import EnvSpec
 from trace_plugin.records.expert import Expert
-from trace_plugin.records.router_spec import ClassifierSpec, ExpertEntry, RouterSpec, StaticSpec
+from trace_plugin.records.router_spec import (
+    ClassifierSpec,
+    CorpusEntry,
+    ExpertEntry,
+    Retrieval,
+    RouterSpec,
+    StaticSpec,
+)
 from trace_plugin.store import Store
 
 if TYPE_CHECKING:
@@ -134,11 +143,37 @@ async def load_candidates(improver: Improver, experts: dict[str, str]) -> dict[s
 
 async def route(improver: Improver, experts: dict[str, str]) -> Routing:
     """The candidate router: a gate fitted to which choice (the base model or an expert)
-    won each practice task; or else one expert takes everything, several are classified."""
+    won each practice task; or else one expert takes everything, and several are classified
+    by the base model (``top1``: hard; ``classifier``: TRACE's retrieval and top-p mixture)."""
     adapters = await improver._load_candidates(experts)
-    if improver.config.router != "gate":
-        return Routing(router=router_spec(adapters, improver.store, improver.config.agent))
-    return await improver.learned_router(adapters, experts)
+    config = improver.config
+    if config.router == "gate":
+        return await improver.learned_router(adapters, experts)
+    corpus = None
+    if config.router == "classifier" and len(adapters) > 1:
+        specs = {capability: improver.spec(capability, experts) for capability in adapters}
+        corpus = await retrieval_corpus(specs, improver.gateway.embed, CORPUS_SEEDS[: config.corpus_seeds])
+    return Routing(router=router_spec(adapters, improver.store, config.agent, corpus, top_p=config.top_p))
+
+
+async def retrieval_corpus(
+    specs: Mapping[str, EnvSpec],
+    embed: Callable[[list[str]], Awaitable[list[list[float]]]],
+    seeds: Sequence[int],
+) -> list[CorpusEntry]:
+    """Each capability's successful trajectories (its environment's reference plays on
+    ``seeds``), embedded by the serving base model as the router will embed requests."""
+    plays = [
+        (capability, *play)
+        for capability, spec in specs.items()
+        for seed in seeds
+        if (play := reference_play(spec, seed)) is not None
+    ]
+    embeddings = await embed([gate_input(request) for _, request, _ in plays])
+    return [
+        CorpusEntry(capability=capability, request=request, solution=solution, embedding=embedding)
+        for (capability, request, solution), embedding in zip(plays, embeddings, strict=True)
+    ]
 
 
 async def learned_router(
@@ -167,8 +202,16 @@ async def learned_router(
     return Routing(router=router, gate=GateFit(tasks=report["tasks"], labels=report["labels"]))
 
 
-def router_spec(adapters: dict[str, str], store: Store, agent: str) -> RouterSpec:
-    """One expert takes every request; several are chosen by the base model as classifier."""
+def router_spec(
+    adapters: dict[str, str],
+    store: Store,
+    agent: str,
+    corpus: list[CorpusEntry] | None = None,
+    *,
+    top_p: float = 0.9,
+) -> RouterSpec:
+    """One expert takes every request; several are chosen by the base model as classifier,
+    over the candidates ``corpus`` retrieves and weighted by top-p (without one: hard top-1)."""
     names = {capability: split_name(name)[0] for capability, name in adapters.items()}
     if len(names) == 1:
         return StaticSpec(adapter=next(iter(names.values())))
@@ -176,7 +219,9 @@ def router_spec(adapters: dict[str, str], store: Store, agent: str) -> RouterSpe
     experts = [
         ExpertEntry(adapter=n, name=c, description=descriptions.get(c, c)) for c, n in sorted(names.items())
     ]
-    return ClassifierSpec(experts=experts, threshold=0.5)
+    if corpus is None:
+        return ClassifierSpec(experts=experts, threshold=0.5)
+    return ClassifierSpec(experts=experts, retrieval=Retrieval(corpus=corpus, top_p=top_p))
 
 
 async def deploy(improver: Improver, deployment: Deployment) -> Deployed:

@@ -7,7 +7,9 @@ turns a spec into a router. A spec is one of four kinds, told apart by ``kind``:
 - ``{"kind": "static", "adapter": NAME | null}``;
 - ``{"kind": "keyword", "rules": [[[WORDS], NAME]], "default": NAME | null}``;
 - ``{"kind": "classifier", "experts": [{"adapter", "name", "description"}], "threshold"}``:
-  the TRACE paper's base model as classifier;
+  the base model as classifier, hard top-1; with ``"retrieval": {"corpus", "k", "top_p"}``
+  it is TRACE's: the most similar successful trajectories pick the candidates, and the
+  label probabilities, nucleus-filtered, weigh a mixture of them;
 - ``{"kind": "gate", "choices": [NAME | null], "weight", "bias", "mean", "scale", "threshold"}``:
   a learned per-layer gate over the base model's embedding of the request.
 
@@ -23,7 +25,15 @@ import hashlib
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_serializer,
+    model_validator,
+)
 
 from trace_plugin.errors import TracePluginError
 
@@ -83,12 +93,46 @@ class ExpertEntry(BaseModel):
     description: str = ""
 
 
+class CorpusEntry(BaseModel):
+    """A successful trajectory of one capability's environment, as the classifier retrieves it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    capability: str  # an expert's ``name``
+    request: str  # the first user turn
+    solution: str  # what solved it: the reference's tool calls, as text
+    embedding: list[float]  # the base model's, of ``gate_input(request)``: the spec pins its corpus
+
+
+class Retrieval(BaseModel):
+    """Candidates by retrieval (the ``k`` nearest trajectories' capabilities), weights by top-p."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    corpus: list[CorpusEntry] = Field(min_length=1)
+    k: int = Field(4, ge=1)
+    top_p: float = Field(0.9, gt=0, le=1)
+
+
 class ClassifierSpec(_Spec):
-    """The base model as classifier over ``experts``; below ``threshold``, the base model."""
+    """The base model as classifier over ``experts``: hard top-1 above ``threshold``, or with
+    ``retrieval`` a weighted mixture of the retrieved candidates (``threshold`` unused)."""
 
     kind: Literal["classifier"] = "classifier"
     experts: list[ExpertEntry]
     threshold: float = 0.5
+    # Absent from the wire form when unset, so a top-1 spec keeps the digest it always had.
+    retrieval: Retrieval | None = Field(None, exclude_if=lambda value: value is None)
+
+    @model_validator(mode="after")
+    def _corpus_fits_the_experts(self) -> ClassifierSpec:
+        if self.retrieval is not None:
+            unknown = {e.capability for e in self.retrieval.corpus} - {e.name for e in self.experts}
+            if unknown:
+                raise ValueError(f"corpus entries for capabilities without an expert: {sorted(unknown)}")
+            if len({len(e.embedding) for e in self.retrieval.corpus}) != 1:
+                raise ValueError("corpus embeddings must all have one size")
+        return self
 
     def adapters(self) -> list[str | None]:
         return [e.adapter for e in self.experts]

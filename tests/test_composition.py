@@ -1,0 +1,208 @@
+"""Mixtures of adapters: the record type, the composed adapter, and serving one exactly."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from trace_plugin import Recorder
+from trace_plugin.gateway.adapters import AdapterError
+from trace_plugin.gateway.app import GatewayConfig, create_app
+from trace_plugin.gateway.composition import compose_adapter, read_safetensors, write_safetensors
+from trace_plugin.gateway.embedded import EmbeddedBackend
+from trace_plugin.gateway.server import start_in_thread
+from trace_plugin.records.mixture import Mixture
+from training.lora import random_adapter
+
+# -- the record type ------------------------------------------------------------------------
+
+
+def test_a_mixture_is_normalized_and_quantized_to_the_grid():
+    assert Mixture.of({"b": 3.0, "a": 1.0}) == Mixture((("a", 0.25), ("b", 0.75)))
+    assert Mixture.of({"a": 0.333, "b": 0.333, "c": 0.334}).weights == (("a", 0.35), ("b", 0.3), ("c", 0.35))
+    assert sum(w for _, w in Mixture.of({"a": 0.333, "b": 0.333, "c": 0.334}).weights) == pytest.approx(1)
+    assert Mixture.of({"a": 0.99, "b": 0.01}) == Mixture.of("a")  # below half a grid step: dropped
+    assert Mixture.of({"a": 0.0}) == Mixture() == Mixture.of(None) and not Mixture()
+    with pytest.raises(ValueError, match="non-negative"):
+        Mixture.of({"a": -1.0})
+    with pytest.raises(ValueError, match="non-negative"):
+        Mixture.of({"a": float("nan")})
+
+
+def test_a_mixture_label_round_trips_and_names_one_composition():
+    mixture = Mixture.of({"refunds@3": 0.6, "lookup@1": 0.4})
+    assert mixture.label() == "lookup@1:0.4,refunds@3:0.6"
+    assert Mixture.parse(mixture.label()) == mixture
+    assert Mixture.of("refunds@3").label() == "refunds@3" and Mixture.parse("refunds@3") == Mixture.of(
+        "refunds@3"
+    )
+    assert Mixture().label() == "" and Mixture.parse("") == Mixture()
+    assert mixture.served_name() == Mixture.of({"refunds@3": 0.61, "lookup@1": 0.39}).served_name()
+    assert mixture.served_name() != Mixture.of({"refunds@3": 0.7, "lookup@1": 0.3}).served_name()
+    assert mixture.resolved({"lookup@1": "lookup@1"}) == mixture
+    assert Mixture.of({"a": 0.5, "b": 0.5}).resolved({"a": "a@2", "b": "b@7"}).label() == "a@2:0.5,b@7:0.5"
+    with pytest.raises(ValueError, match="not a mixture label"):
+        Mixture.parse("a:half,b:0.5")
+
+
+# -- the composed adapter -------------------------------------------------------------------
+
+
+def test_safetensors_round_trip_and_bf16_is_widened(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {"x.lora_A.weight": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    write_safetensors(tmp_path / "a.safetensors", tensors)
+    assert np.array_equal(
+        read_safetensors(tmp_path / "a.safetensors")["x.lora_A.weight"], tensors["x.lora_A.weight"]
+    )
+    save_file({"t": torch.tensor([[1.5, -2.25]], dtype=torch.bfloat16)}, tmp_path / "b.safetensors")
+    assert read_safetensors(tmp_path / "b.safetensors")["t"].tolist() == [[1.5, -2.25]]
+    (tmp_path / "bad.safetensors").write_bytes((2**40).to_bytes(8, "little"))
+    with pytest.raises(ValueError, match="not a safetensors header"):
+        read_safetensors(tmp_path / "bad.safetensors")
+
+
+def _lora(path, rank: int, modules: dict[str, tuple[np.ndarray, np.ndarray]], **config) -> None:
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, **config})
+    )
+    tensors = {}
+    for module, (a, b) in modules.items():
+        tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"] = a, b
+    write_safetensors(path / "adapter_model.safetensors", tensors)
+
+
+def test_the_composed_adapter_is_the_weighted_sum_of_the_deltas(tmp_path):
+    rng = np.random.default_rng(0)
+
+    def pair(rank: int) -> tuple[np.ndarray, np.ndarray]:
+        return rng.normal(size=(rank, 5)).astype(np.float32), rng.normal(size=(7, rank)).astype(np.float32)
+
+    q1, v1, q2 = pair(2), pair(2), pair(3)
+    _lora(tmp_path / "one", 2, {"m.q": q1, "m.v": v1})
+    _lora(tmp_path / "two", 3, {"m.q": q2}, use_rslora=True)  # scaling alpha / sqrt(r)
+    compose_adapter([(tmp_path / "one", 0.7), (tmp_path / "two", 0.3)], tmp_path / "mix")
+    config = json.loads((tmp_path / "mix" / "adapter_config.json").read_text())
+    assert config["r"] == config["lora_alpha"] == 5 and not config["use_rslora"]
+    assert config["target_modules"] == ["q", "v"]
+    out = read_safetensors(tmp_path / "mix" / "adapter_model.safetensors")
+
+    def delta(module: str) -> np.ndarray:
+        return out[f"{module}.lora_B.weight"] @ out[f"{module}.lora_A.weight"]
+
+    expected_q = 0.7 * 2.0 * q1[1] @ q1[0] + 0.3 * (6 / 3**0.5) * q2[1] @ q2[0]
+    assert np.allclose(delta("m.q"), expected_q, atol=1e-5)
+    assert np.allclose(delta("m.v"), 0.7 * 2.0 * v1[1] @ v1[0], atol=1e-5)  # "two" adds zero blocks here
+    assert not (tmp_path / "mix.partial").exists()
+
+
+def test_only_plain_loras_are_composed(tmp_path):
+    pair = (np.ones((2, 3), np.float32), np.ones((4, 2), np.float32))
+    _lora(tmp_path / "plain", 2, {"m.q": pair})
+    _lora(tmp_path / "dora", 2, {"m.q": pair}, use_dora=True)
+    _lora(tmp_path / "wrong-rank", 3, {"m.q": pair})
+    for other, needle in (("dora", "not a plain LoRA"), ("wrong-rank", "rank other than 3")):
+        with pytest.raises(AdapterError, match=needle):
+            compose_adapter([(tmp_path / "plain", 0.5), (tmp_path / other, 0.5)], tmp_path / "mix")
+    with pytest.raises(AdapterError, match="cannot compose"):
+        compose_adapter([(tmp_path / "plain", 0.5), (tmp_path / "missing", 0.5)], tmp_path / "mix")
+
+
+# -- serving a mixture, exactly -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mixing(tmp_path_factory):
+    """A float32 embedded gateway with two random adapters of different ranks, recording."""
+    root = tmp_path_factory.mktemp("adapters")
+    backend = EmbeddedBackend(precision="float32")
+    random_adapter(backend.model_dir, root / "alpha" / "1", seed=21, scale=4.0)
+    random_adapter(backend.model_dir, root / "beta" / "1", seed=22, rank=4, scale=4.0)
+    recorder = Recorder(f"sqlite:///{tmp_path_factory.mktemp('db') / 'mix.db'}")
+    config = GatewayConfig(
+        adapter_root=root, agent="support", adapters={"alpha@1": "alpha/1", "beta@1": "beta/1"}
+    )
+    with start_in_thread(create_app(backend, config=config, recorder=recorder)) as server:
+        server.root, server.backend, server.recorder = root, backend, recorder
+        yield server
+    recorder.close()
+
+
+def chat(url: str, model: str, text: str = "Say something about the weather.") -> httpx.Response:
+    return httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": model,
+            "messages": [{"role": "user", "content": text}],
+            "temperature": 0,
+            "max_tokens": 16,
+            "logprobs": True,
+            "return_token_ids": True,
+        },
+    )
+
+
+def explicit_logprobs(backend: EmbeddedBackend, root, weights: dict[str, float], ids: list[int]):
+    """Log-probabilities of ``ids`` under W + Σ weight·scale·BA, summed into a fresh copy of the
+    base weights from the adapters' own files: the mixture spelled out, with no PEFT."""
+    import torch
+    from safetensors.torch import load_file
+
+    from trace_plugin.model_files import load_model
+
+    model, _ = load_model(backend.model_dir, precision="float32")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, weight in weights.items():
+            config = json.loads((root / name / "adapter_config.json").read_text())
+            tensors = load_file(root / name / "adapter_model.safetensors")
+            scale = config["lora_alpha"] / config["r"]
+            for key, a in tensors.items():
+                if key.endswith(".lora_A.weight"):
+                    module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                    b = tensors[key.replace("lora_A", "lora_B")]
+                    params[module + ".weight"] += weight * scale * (b @ a)
+        return model(torch.tensor([ids])).logits[0].log_softmax(-1)
+
+
+def test_a_mixture_is_served_as_the_explicit_weighted_sum_of_its_adapters(mixing):
+    response = chat(mixing.url, "alpha:0.7,beta:0.3")
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["model"] == "alpha@1:0.7,beta@1:0.3" == response.headers["x-trace-adapter"]
+    prompt, completion = data["prompt_token_ids"], data["choices"][0]["token_ids"]
+    served = [e["logprob"] for e in data["choices"][0]["logprobs"]["content"]]
+    reference = explicit_logprobs(
+        mixing.backend, mixing.root, {"alpha/1": 0.7, "beta/1": 0.3}, prompt + completion
+    )
+    expected = [float(reference[len(prompt) - 1 + i, token]) for i, token in enumerate(completion)]
+    assert max(abs(s - e) for s, e in zip(served, expected, strict=True)) < 1e-3
+    alone = chat(mixing.url, "alpha").json()["choices"][0]["logprobs"]["content"]
+    assert alone[0]["token_id"] != completion[0] or abs(alone[0]["logprob"] - served[0]) > 1e-2  # a real mix
+
+
+def test_a_mixture_is_composed_once_and_recorded_as_its_pairs(mixing):
+    for _ in range(2):
+        assert chat(mixing.url, "beta:0.5,alpha:0.5", "Hello there.").status_code == 200
+    described = httpx.get(f"{mixing.url}/v1/lora_adapters").json()
+    composed = Mixture.parse("alpha@1:0.5,beta@1:0.5").served_name()
+    assert composed in described["mixtures"] and composed not in described["loaded"]
+    assert (mixing.root / ".mixtures" / composed / "adapter_model.safetensors").is_file()
+    models = httpx.get(f"{mixing.url}/v1/models").json()["data"]
+    assert not any(m["id"].startswith("mix-") for m in models)  # an implementation detail, not a model
+    assert mixing.recorder.flush(10)
+    adapters = {e.adapter for e in mixing.recorder.store.list_episodes("support")}
+    assert "alpha@1:0.5,beta@1:0.5" in adapters
+
+
+def test_a_bad_mixture_is_a_clear_4xx(mixing):
+    assert chat(mixing.url, "alpha:0.5,gamma:0.5").status_code == 404
+    assert "gamma" in chat(mixing.url, "alpha:0.5,gamma:0.5").text
+    assert chat(mixing.url, "alpha:half,beta:0.5").status_code == 400
