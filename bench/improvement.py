@@ -8,9 +8,12 @@ support agent, the retail target), after capturing train-split traffic:
 3. one LoRA on the union of the synthesized environments (the paper's single-adapter ablation);
 4. TRACE, exactly as the improver runs it (mine, synthesize and calibrate, one expert per
    mined capability with the budget split between them, route, evaluate), with the
-   improver's router (the base model as classifier; one expert takes everything) and with
-   a learned gate fitted on practice tasks of the synthesized environments;
-5. the oracle: per test task, the best of the base and every expert.
+   improver's router (``trace_mixture``: the base model as classifier over retrieved
+   candidates, a top-p weighted mixture; one expert takes everything), with the hard top-1
+   classifier (``trace_classifier``, the ablation) and with a learned gate fitted on
+   practice tasks of the synthesized environments (``trace_gate``);
+5. the oracle: per test task, the best of the base, every expert and the mixture the
+   improver's router chose.
 
 All rows use the same test tasks, greedy decoding, the same training settings as the
 improver's, and at most the same number of rollouts. Success rates come with 95% bootstrap
@@ -45,7 +48,7 @@ from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv 
 from trace_plugin.gateway.adapters import split_name  # noqa: E402
 from trace_plugin.gateway.admin import GatewayAdmin  # noqa: E402
 from trace_plugin.gateway.routing import router_from_spec  # noqa: E402
-from trace_plugin.improver import TRAINING_SEEDS  # noqa: E402
+from trace_plugin.improver import TRAINING_SEEDS, router_spec  # noqa: E402
 from trace_plugin.mining.miner import OfflineMiner  # noqa: E402
 from trace_plugin.records.env_spec import EnvSpec  # noqa: E402
 from trace_plugin.records.mixture import Mixture  # noqa: E402
@@ -157,9 +160,11 @@ def main() -> None:
         )
         routers: dict[str, dict[str, Any]] = {}
         if cycle:
-            routers["trace"] = cycle.router
+            routers["mixture"] = cycle.router
+            routers["top1"] = router_spec(experts, store, AGENT).to_dict()  # no corpus: hard top-1
             routers["gate"] = asyncio.run(improver.learned_router(experts)).router.to_dict()
-            asyncio.run(admin.set_router(routers["gate"], name="gate"))
+            for name in ("top1", "gate"):
+                asyncio.run(admin.set_router(routers[name], name=name))
 
         def success(model: str) -> list[float]:
             return _successes(asyncio.run(stack.evaluate(model, test)))
@@ -167,11 +172,10 @@ def main() -> None:
         target = cycle.evaluation["target"] if cycle else None
         base = _successes(target["current"]["episodes"]) if target else success("base")
         trace = _successes(target["candidate"]["episodes"]) if target else base
+        static = bool(cycle) and routers["mixture"]["kind"] == "static"
         by_expert = {
             # A lone expert's static router already played the test tasks as that expert.
-            capability: trace
-            if routers["trace"] == {"kind": "static", "adapter": split_name(name)[0]}
-            else success(name)
+            capability: trace if static else success(name)
             for capability, name in experts.items()
         }
         rows: dict[str, list[float] | None] = {
@@ -181,14 +185,13 @@ def main() -> None:
             "single_union": by_expert[specs[0].capability]
             if union_is_expert
             else (success(union) if union else None),
-            "trace_classifier": trace,
+            "trace_classifier": trace if static or not cycle else success("router:top1"),
+            "trace_mixture": trace,
             "trace_gate": success("router:gate") if cycle else base,
         }
-        rows["oracle"] = [max(column) for column in zip(base, *by_expert.values(), strict=True)]
-        accuracy = {
-            name: router_accuracy(stack, router, experts, by_expert, base, test)
-            for name, router in routers.items()
-        }
+        options = choices(stack, routers.get("mixture"), experts, by_expert, base, trace, test)
+        rows["oracle"] = [max(scores.values()) for scores in options]
+        accuracy = {name: router_accuracy(stack, router, options, test) for name, router in routers.items()}
     finally:
         stack.stop()
 
@@ -197,6 +200,7 @@ def main() -> None:
         "grpo_target": budget,
         "single_union": budget,
         "trace_classifier": trace_rollouts,
+        "trace_mixture": trace_rollouts,
         "trace_gate": trace_rollouts,
         "oracle": trace_rollouts,
     }
@@ -227,8 +231,9 @@ def main() -> None:
                 "rollout_budget": budget,
                 "trace_rollouts": trace_rollouts,
                 **figures,
-                "router_accuracy": accuracy.get("trace"),  # the classifier's
-                "gate_router_accuracy": accuracy.get("gate"),
+                "router_accuracy": accuracy.get("mixture"),  # the default router's
+                "router_accuracy_top1": accuracy.get("top1"),
+                "router_accuracy_gate": accuracy.get("gate"),
                 "n_test_tasks": len(test),
             }
         )
@@ -241,29 +246,50 @@ def _successes(episodes: list[Any]) -> list[float]:
     return [float(reward_succeeds(r)) for r in rewards]
 
 
-def router_accuracy(
+def choices(
     stack: SupportStack,
-    spec: dict[str, Any],
+    mixture_router: dict[str, Any] | None,
     experts: dict[str, str],
     by_expert: dict[str, list[float]],
     base: list[float],
+    mixed: list[float],
     seeds: list[int],
+) -> list[dict[Mixture, float]]:
+    """Per test task, the oracle's finite set and each option's success: the base model,
+    every single expert, and the mixture the improver's router chose (when it is neither)."""
+    router = router_from_spec(mixture_router, stack.backend) if mixture_router else None
+    options = []
+    for i, seed in enumerate(seeds):
+        scores = {Mixture(): base[i]}
+        for capability, name in experts.items():
+            scores[Mixture.of(split_name(name)[0])] = by_expert[capability][i]
+        if router is not None:
+            scores.setdefault(asyncio.run(router.route(opening(seed), None)), mixed[i])
+        options.append(scores)
+    return options
+
+
+def router_accuracy(
+    stack: SupportStack, spec: dict[str, Any], options: list[dict[Mixture, float]], seeds: list[int]
 ) -> float | None:
-    """How often a router picks the oracle's choice, where one choice was strictly best."""
+    """How often a router picks the oracle's option, on tasks where one option was strictly best."""
     if spec["kind"] == "static":  # one expert takes everything: the router makes no choice
         return None
     router = router_from_spec(spec, stack.backend)
-    options = [None, *(split_name(name)[0] for name in experts.values())]  # what the router answers
     agreed = counted = 0
-    for i, seed in enumerate(seeds):
-        scores = [base[i], *(by_expert[c][i] for c in experts)]
-        if scores.count(max(scores)) != 1:
-            continue  # no single best choice: nothing to be right about
-        task = RetailEnv().reset(seed)
-        choice = asyncio.run(router.route([{"role": "user", "content": task.prompt}], None))
+    for scores, seed in zip(options, seeds, strict=True):
+        best = max(scores.values())
+        winners = [option for option, score in scores.items() if score == best]
+        if len(winners) != 1:
+            continue  # no single best option: nothing to be right about
         counted += 1
-        agreed += choice == Mixture.of(options[scores.index(max(scores))])
+        agreed += asyncio.run(router.route(opening(seed), None)) == winners[0]
     return round(agreed / counted, 4) if counted else None
+
+
+def opening(seed: int) -> list[dict[str, Any]]:
+    """The conversation a router reads: the ticket of a retail test task."""
+    return [{"role": "user", "content": RetailEnv().reset(seed).prompt}]
 
 
 def plot(figures: dict[str, Any], rollouts: dict[str, int], path: Path) -> None:
@@ -274,7 +300,7 @@ def plot(figures: dict[str, Any], rollouts: dict[str, int], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.axhline(figures["base"], color="grey", linestyle="--", label="base (0 rollouts)")
-    for name in ("grpo_target", "single_union", "trace_classifier", "trace_gate", "oracle"):
+    for name in ("grpo_target", "single_union", "trace_classifier", "trace_mixture", "trace_gate", "oracle"):
         if figures.get(name) is not None:
             ax.scatter([rollouts[name]], [figures[name]], label=name, s=60)
     ax.set_xlabel("rollouts used")

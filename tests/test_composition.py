@@ -206,3 +206,71 @@ def test_a_bad_mixture_is_a_clear_4xx(mixing):
     assert chat(mixing.url, "alpha:0.5,gamma:0.5").status_code == 404
     assert "gamma" in chat(mixing.url, "alpha:0.5,gamma:0.5").text
     assert chat(mixing.url, "alpha:half,beta:0.5").status_code == 400
+
+
+# -- the registry's composed adapters -------------------------------------------------------
+
+
+class Recording:
+    """A backend that serves nothing but records what is loaded, for the registry's bookkeeping."""
+
+    model_id, max_lora_rank = "base", 64
+
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+        self.unloaded: list[str] = []
+
+    async def load_adapter(self, name, path) -> None:
+        self.loaded.append(name)
+
+    async def unload_adapter(self, name) -> None:
+        self.unloaded.append(name)
+
+    async def adapters(self) -> set[str]:
+        return set(self.loaded) - set(self.unloaded)
+
+    async def generate(self, prompt, params, adapter):
+        return []
+
+
+async def test_composed_adapters_are_cached_pinned_and_unloaded_only_once_drained(tmp_path):
+    import asyncio
+
+    from trace_plugin.gateway.adapters import AdapterRegistry
+
+    pair = (np.ones((2, 3), np.float32), np.ones((4, 2), np.float32))
+    for name in ("a", "b", "c"):
+        _lora(tmp_path / name / "1", 2, {"m.q": pair})
+    _lora(tmp_path / "a" / "2", 2, {"m.q": pair})
+    backend = Recording()
+    registry = AdapterRegistry(backend, tmp_path, mixtures=2)
+    for name in ("a", "b", "c"):
+        await registry.load(f"{name}@1", f"{name}/1")
+    first, served = await registry.acquire_mixture(Mixture.of({"a": 0.5, "b": 0.5}))
+    assert served.label() == "a@1:0.5,b@1:0.5" and first == served.served_name()
+    again, _ = await registry.acquire_mixture(Mixture.of({"a": 0.5, "b": 0.5}))
+    assert again == first and backend.loaded.count(first) == 1  # composed and loaded once
+    registry.release(again)
+    second, _ = await registry.acquire_mixture(Mixture.of({"a": 0.5, "c": 0.5}))
+    registry.release(second)
+    third, _ = await registry.acquire_mixture(Mixture.of({"b": 0.5, "c": 0.5}))  # evicts the first
+    registry.release(third)
+    await asyncio.sleep(0)
+    assert first not in backend.unloaded  # one request still holds it
+    back, _ = await registry.acquire_mixture(Mixture.of({"a": 0.5, "b": 0.5}))  # asked for again
+    assert back == first and backend.loaded.count(first) == 1  # kept, not composed again
+    registry.release(back)
+    registry.release(first)
+    await asyncio.sleep(0.01)
+    assert backend.unloaded == [second]  # the least recent one went instead, once idle
+    assert set(registry.describe()["mixtures"]) == {first, third}
+    await registry.load("a@2", "a/2")  # a new version: a new composition for the same weights
+    fourth, on_new = await registry.acquire_mixture(Mixture.of({"a": 0.5, "b": 0.5}))
+    assert on_new.label() == "a@2:0.5,b@1:0.5" and fourth != first
+    assert await registry.acquire_mixture(Mixture.of("c")) == ("c@1", Mixture.of("c@1"))  # itself
+    registry.release("c@1")
+    assert await registry.acquire_mixture(Mixture()) == (None, Mixture())
+    with pytest.raises(AdapterError, match="not loaded"):
+        await registry.acquire_mixture(Mixture.of({"a": 0.5, "zzz": 0.5}))
+    # A failed mixture released the parts it had pinned.
+    assert [v["in_flight"] for v in registry.describe()["loaded"].values()] == [0, 0, 0]  # a@1 retired

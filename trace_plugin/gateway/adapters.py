@@ -114,6 +114,8 @@ class AdapterRegistry:
         self._versions: dict[str, _Version] = {}  # every loaded "name@version"
         self._paths: dict[str, Path] = {}  # every version ever loaded, for rollback
         self._mixtures: OrderedDict[str, _Version] = OrderedDict()  # composed, least recent first
+        self._draining: dict[str, _Version] = {}  # composed, evicted, still serving requests
+        self._background: set[asyncio.Task] = set()  # unloads waiting to drain (the loop holds tasks weakly)
         self._lock = asyncio.Lock()
 
     # -- request side (synchronous: atomic on the event loop) ------------------------------
@@ -128,7 +130,7 @@ class AdapterRegistry:
         return full
 
     def release(self, full: str) -> None:
-        version = self._versions.get(full) or self._mixtures.get(full)
+        version = self._versions.get(full) or self._mixtures.get(full) or self._draining.get(full)
         if version is not None:
             version.in_flight -= 1
             if version.in_flight == 0:
@@ -154,9 +156,12 @@ class AdapterRegistry:
             served = resolved.served_name()
             if served not in self._mixtures:
                 async with self._lock:
-                    if served not in self._mixtures:
-                        await self._compose(served, resolved)
+                    if served in self._draining:  # evicted but not yet unloaded: keep it
+                        self._mixtures[served] = self._draining.pop(served)
+                    elif served not in self._mixtures:
+                        self._mixtures[served] = await self._compose(served, resolved)
             self._mixtures.move_to_end(served)
+            self._evict()
             version = self._mixtures[served]
             version.in_flight += 1
             version.drained.clear()
@@ -166,16 +171,25 @@ class AdapterRegistry:
                 if full is not None:
                     self.release(full)
 
-    async def _compose(self, served: str, mixture: Mixture) -> None:
+    async def _compose(self, served: str, mixture: Mixture) -> _Version:
         from trace_plugin.gateway.composition import compose_adapter
 
         parts = [(self._versions[name].path, weight) for name, weight in mixture.weights]
         # Composed afresh on every load: a name@version unloaded and loaded again may be other files.
         path = await asyncio.to_thread(compose_adapter, parts, self.root / MIXTURES_DIR / served)
-        self._mixtures[served] = await self._load_verified(served, path)
+        return await self._load_verified(served, path)
+
+    def _evict(self) -> None:
+        """Keep the most recent composed adapters; the others unload once drained."""
         while len(self._mixtures) > self.max_mixtures:
             oldest, version = self._mixtures.popitem(last=False)
-            asyncio.get_running_loop().create_task(self._unload_drained(oldest, version))
+            self._draining[oldest] = version
+            self._in_background(self._unload_evicted(oldest, version))
+
+    def _in_background(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def listing(self) -> dict[str, str]:
         """Every servable model name → the loaded adapter behind it."""
@@ -252,7 +266,7 @@ class AdapterRegistry:
         self.live[name] = full
         if previous is not None:
             self.history.setdefault(name, []).append(previous)
-            asyncio.get_running_loop().create_task(self._retire(previous))
+            self._in_background(self._retire(previous))
         return full
 
     async def _retire(self, full: str) -> None:
@@ -265,12 +279,18 @@ class AdapterRegistry:
         if any(v == full for v in self.live.values()):  # rolled back to it meanwhile
             return
         self._versions.pop(full, None)
-        await self._unload_drained(full, version)
+        await self._unload(full)
 
-    async def _unload_drained(self, full: str, version: _Version) -> None:
-        """Unload an adapter no new request can reach, once its requests are done."""
+    async def _unload_evicted(self, full: str, version: _Version) -> None:
+        """Unload a composed adapter evicted from the cache, once its requests are done,
+        unless a request brought it back meanwhile."""
         while version.in_flight:
             await version.drained.wait()
+        if self._draining.get(full) is version:
+            del self._draining[full]
+            await self._unload(full)
+
+    async def _unload(self, full: str) -> None:
         try:
             await self.backend.unload_adapter(full)
         except BackendError as exc:  # it no longer serves requests either way
