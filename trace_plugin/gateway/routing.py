@@ -241,7 +241,7 @@ class ClassifierRouter:
 class GateRouter:
     """A learned gate: softmax(W · standardized embedding + b) over the base and the experts.
 
-    Hard top-1, as vLLM serves one adapter per request; below ``threshold`` the request
+    Hard top-1 (not yet the paper's soft per-layer gate); below ``threshold`` the request
     goes to the base model. ``choices[i]`` is the adapter for class i (None: the base).
     """
 
