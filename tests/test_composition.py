@@ -7,6 +7,7 @@ import json
 import httpx
 import numpy as np
 import pytest
+from chat import chat as served
 
 from trace_plugin import Recorder
 from trace_plugin.gateway.adapters import AdapterError
@@ -135,18 +136,7 @@ def mixing(tmp_path_factory):
 
 
 def chat(url: str, model: str, text: str = "Say something about the weather.") -> httpx.Response:
-    return httpx.post(
-        f"{url}/v1/chat/completions",
-        timeout=120,
-        json={
-            "model": model,
-            "messages": [{"role": "user", "content": text}],
-            "temperature": 0,
-            "max_tokens": 16,
-            "logprobs": True,
-            "return_token_ids": True,
-        },
-    )
+    return served(url, model, text, max_tokens=16, logprobs=True)
 
 
 def explicit_logprobs(backend: EmbeddedBackend, root, weights: dict[str, float], ids: list[int]):

@@ -10,6 +10,7 @@ import time
 from datetime import timedelta
 
 import pytest
+from chat import chat
 
 from trace_plugin.environments.base import RewardBreakdown
 from trace_plugin.environments.interpreter import SpecEnv
@@ -180,7 +181,6 @@ async def test_the_classifier_retrieves_from_reference_plays_and_routes_a_mixtur
     """TRACE's router from the route stage: a corpus of each environment's reference plays,
     embedded through the real gateway, pinned in the spec; a request of one environment
     retrieves that capability first, and the candidate router serves what it decides."""
-    import httpx
 
     from trace_plugin.gateway.adapters import split_name
     from trace_plugin.gateway.app import GatewayConfig, create_app
@@ -205,15 +205,7 @@ async def test_the_classifier_retrieves_from_reference_plays_and_routes_a_mixtur
             candidates = await served.candidates(request)
             assert candidates[0][0].name == capability
         await improver.gateway.set_router(router, name="cycle-1")
-        r = httpx.post(
-            f"{gateway.url}/v1/chat/completions",
-            json={
-                "model": "router:cycle-1",
-                "messages": [{"role": "user", "content": request}],
-                "max_tokens": 2,
-            },
-            timeout=120,
-        )
+        r = chat(gateway.url, "router:cycle-1", request, max_tokens=2)
         assert r.status_code == 200, r.text
         decided, model = await served.route([{"role": "user", "content": request}], None), r.json()["model"]
         if decided:  # the gateway served the mixture the router decides, on the live versions
@@ -268,15 +260,7 @@ async def test_a_learned_gate_is_fitted_on_practice_tasks_and_served_as_a_candid
         assert served == router
         facts = synthesize("communicating_facts", RetailEnv.tools, system_prompt=RetailEnv.system_prompt)
         request = SpecEnv(facts).reset(99).prompt
-        r = httpx.post(
-            f"{gateway.url}/v1/chat/completions",
-            json={
-                "model": "router:cycle-1",
-                "messages": [{"role": "user", "content": request}],
-                "max_tokens": 2,
-            },
-            timeout=120,
-        )
+        r = chat(gateway.url, "router:cycle-1", request, max_tokens=2)
         assert r.status_code == 200 and r.json()["model"].startswith("communicating_facts@")
 
 

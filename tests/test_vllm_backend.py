@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from chat import chat as served
 from load import swap_under_load
 from openai import OpenAI
 
@@ -36,18 +37,7 @@ def stack(tmp_path_factory):
 
 
 def chat(url: str, model: str, text: str, **extra) -> dict:
-    r = httpx.post(
-        f"{url}/v1/chat/completions",
-        timeout=120,
-        json={
-            "model": model,
-            "messages": [{"role": "user", "content": text}],
-            "temperature": 0,
-            "max_tokens": 12,
-            "return_token_ids": True,
-            **extra,
-        },
-    )
+    r = served(url, model, text, **extra)
     assert r.status_code == 200, r.text
     return r.json()
 
