@@ -11,7 +11,7 @@ turns a spec into a router. A spec is one of four kinds, told apart by ``kind``:
   it is TRACE's: the most similar successful trajectories pick the candidates, and the
   label probabilities, nucleus-filtered, weigh a mixture of them;
 - ``{"kind": "gate", "choices": [NAME | null], "weight", "bias", "mean", "scale", "threshold"}``:
-  a learned per-layer gate over the base model's embedding of the request.
+  a learned gate over the base model's embedding of the request (hard top-1).
 
 A spec's digest (:func:`router_version`) is stamped on every episode the router served and
 kept with every deployment, so a model serializes to exactly the JSON these dicts always had:
