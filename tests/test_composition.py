@@ -45,8 +45,10 @@ def test_a_mixture_label_round_trips_and_names_one_composition():
     assert mixture.served_name() != Mixture.of({"refunds@3": 0.7, "lookup@1": 0.3}).served_name()
     assert mixture.resolved({"lookup@1": "lookup@1"}) == mixture
     assert Mixture.of({"a": 0.5, "b": 0.5}).resolved({"a": "a@2", "b": "b@7"}).label() == "a@2:0.5,b@7:0.5"
-    with pytest.raises(ValueError, match="not a mixture label"):
-        Mixture.parse("a:half,b:0.5")
+    assert Mixture.parse("a:3,b:1") == Mixture.of({"a": 0.75, "b": 0.25})
+    for bad in ("a:half,b:0.5", "a:-1,b:2"):
+        with pytest.raises(ValueError, match="not a mixture label"):
+            Mixture.parse(bad)
 
 
 # -- the composed adapter -------------------------------------------------------------------
@@ -196,6 +198,7 @@ def test_a_bad_mixture_is_a_clear_4xx(mixing):
     assert chat(mixing.url, "alpha:0.5,gamma:0.5").status_code == 404
     assert "gamma" in chat(mixing.url, "alpha:0.5,gamma:0.5").text
     assert chat(mixing.url, "alpha:half,beta:0.5").status_code == 400
+    assert chat(mixing.url, "alpha:-1,beta:2").status_code == 400
 
 
 # -- the registry's composed adapters -------------------------------------------------------

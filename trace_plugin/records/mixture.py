@@ -50,16 +50,17 @@ class Mixture:
 
     @classmethod
     def parse(cls, label: str | None) -> Mixture:
-        """The mixture a :meth:`label` names."""
+        """The mixture a :meth:`label` names, normalized as :meth:`of` makes every mixture
+        (a recorded label comes back unchanged; a client's ``a:3,b:1`` is ``a:0.75,b:0.25``)."""
         if not label:
             return cls()
         if ":" not in label:
             return cls.of(label)
         pairs = [part.rpartition(":") for part in label.split(",")]
         try:
-            return cls(tuple(sorted((name, float(weight)) for name, _, weight in pairs)))
+            return cls.of({name: float(weight) for name, _, weight in pairs})
         except ValueError:
-            raise ValueError(f"not a mixture label: {label!r}") from None
+            raise ValueError(f"not a mixture label (names and non-negative weights): {label!r}") from None
 
     def __bool__(self) -> bool:
         return bool(self.weights)
