@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import numpy as np
@@ -105,6 +106,31 @@ def test_the_composed_adapter_is_the_weighted_sum_of_the_deltas(tmp_path):
     assert not (tmp_path / "mix.partial").exists()
 
 
+def test_per_layer_weights_weigh_each_layers_modules_with_their_own(tmp_path):
+    """The gate's composition: layer l's modules get weight[l], also from a single adapter."""
+    rng = np.random.default_rng(1)
+    pairs = {
+        f"model.layers.{layer}.self_attn.{kind}": (
+            rng.normal(size=(2, 5)).astype(np.float32),
+            rng.normal(size=(7, 2)).astype(np.float32),
+        )
+        for layer in (0, 1)
+        for kind in ("q_proj", "v_proj")
+    }
+    _lora(tmp_path / "one", 2, pairs)
+    compose_adapter([(tmp_path / "one", (0.25, 0.9))], tmp_path / "mix")
+    out = read_safetensors(tmp_path / "mix" / "adapter_model.safetensors")
+    for module, (a, b) in pairs.items():
+        weight = 0.25 if ".layers.0." in module else 0.9
+        composed = out[f"{module}.lora_B.weight"] @ out[f"{module}.lora_A.weight"]
+        assert np.allclose(composed, weight * 2.0 * b @ a, atol=1e-5), module
+    with pytest.raises(AdapterError, match="do not cover the module model.layers.1"):
+        compose_adapter([(tmp_path / "one", (0.5,))], tmp_path / "short")
+    _lora(tmp_path / "flat", 2, {"lm_head": pairs["model.layers.0.self_attn.q_proj"]})
+    with pytest.raises(AdapterError, match="lm_head"):
+        compose_adapter([(tmp_path / "flat", (0.5, 0.5))], tmp_path / "nolayer")
+
+
 def test_only_plain_loras_are_composed(tmp_path):
     pair = (np.ones((2, 3), np.float32), np.ones((4, 2), np.float32))
     _lora(tmp_path / "plain", 2, {"m.q": pair})
@@ -141,9 +167,10 @@ def chat(url: str, model: str, text: str = "Say something about the weather.") -
     return served(url, model, text, max_tokens=16, logprobs=True)
 
 
-def explicit_logprobs(backend: EmbeddedBackend, root, weights: dict[str, float], ids: list[int]):
+def explicit_logprobs(backend: EmbeddedBackend, root, weights: dict[str, Any], ids: list[int]):
     """Log-probabilities of ``ids`` under W + Σ weight·scale·BA, summed into a fresh copy of the
-    base weights from the adapters' own files: the mixture spelled out, with no PEFT."""
+    base weights from the adapters' own files: the mixture spelled out, with no PEFT. A weight
+    is one number, or one per decoder layer."""
     import torch
     from safetensors.torch import load_file
 
@@ -160,7 +187,9 @@ def explicit_logprobs(backend: EmbeddedBackend, root, weights: dict[str, float],
                 if key.endswith(".lora_A.weight"):
                     module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
                     b = tensors[key.replace("lora_A", "lora_B")]
-                    params[module + ".weight"] += weight * scale * (b @ a)
+                    layer = int(module.split(".layers.")[1].split(".")[0])
+                    w = weight if isinstance(weight, float) else weight[layer]
+                    params[module + ".weight"] += w * scale * (b @ a)
         return model(torch.tensor([ids])).logits[0].log_softmax(-1)
 
 
@@ -178,6 +207,40 @@ def test_a_mixture_is_served_as_the_explicit_weighted_sum_of_its_adapters(mixing
     assert max(abs(s - e) for s, e in zip(served, expected, strict=True)) < 1e-3
     alone = chat(mixing.url, "alpha").json()["choices"][0]["logprobs"]["content"]
     assert alone[0]["token_id"] != completion[0] or abs(alone[0]["logprob"] - served[0]) > 1e-2  # a real mix
+
+
+def test_a_per_layer_gate_is_served_as_the_explicit_per_layer_sum(mixing):
+    """The gate's mixture through the real gateway: a gate whose layers ignore the request
+    (biases only) gives even layers half base, half alpha, and odd ones 0.3 alpha, 0.7 beta;
+    the served log-probabilities are those of W_l + Σ α_{l,c}·scale·BA, spelled out."""
+    import math
+
+    config = mixing.backend.model.config
+    layers, size = config.num_hidden_layers, config.hidden_size
+    rows = [(0.5, 0.5, 0.0) if layer % 2 == 0 else (0.0, 0.3, 0.7) for layer in range(layers)]
+    spec = {
+        "kind": "gate",
+        "choices": [None, "alpha", "beta"],
+        "mean": [0.0] * size,
+        "scale": [1.0] * size,
+        "projection": [[0.0] * size],
+        "weight": [[[0.0]] * 3] * layers,
+        "bias": [[math.log(p) if p else -50.0 for p in row] for row in rows],
+    }
+    assert httpx.post(f"{mixing.url}/v1/router", json=spec, params={"name": "gate"}).status_code == 200
+    response = chat(mixing.url, "router:gate")
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["model"].startswith("alpha@1:0.4,beta@1:0.35;layers=")  # the means, and the layers' digest
+    prompt, completion = data["prompt_token_ids"], data["choices"][0]["token_ids"]
+    served = [e["logprob"] for e in data["choices"][0]["logprobs"]["content"]]
+    per_layer = {"alpha/1": [row[1] for row in rows], "beta/1": [row[2] for row in rows]}
+    reference = explicit_logprobs(mixing.backend, mixing.root, per_layer, prompt + completion)
+    expected = [float(reference[len(prompt) - 1 + i, token]) for i, token in enumerate(completion)]
+    assert max(abs(s - e) for s, e in zip(served, expected, strict=True)) < 1e-3
+    again = chat(mixing.url, "router:gate", "Hello there.").json()
+    assert again["model"] == data["model"]  # the same layers: the same composed adapter
+    assert chat(mixing.url, data["model"]).status_code == 400  # named by its router, not by a label
 
 
 def test_a_mixture_is_composed_once_and_recorded_as_its_pairs(mixing):

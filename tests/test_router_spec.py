@@ -40,11 +40,11 @@ TODAY = [
     {
         "kind": "gate",
         "choices": [None, "a", "b"],
-        "weight": [[0.5, -1.25], [1e-06, 2.0], [0.0, 3.5]],
-        "bias": [0.1, -0.2, 0.0],
         "mean": [0.0, 1.5],
         "scale": [1.0, 0.25],
-        "threshold": 0.0,
+        "projection": [[0.5, -1.25]],
+        "weight": [[[1e-06], [2.0], [0.0]], [[3.5], [0.0], [-1.0]]],
+        "bias": [[0.1, -0.2, 0.0], [0.0, 0.0, 0.0]],
     },
 ]
 
@@ -65,7 +65,7 @@ def test_the_routers_specs_are_the_models_wire_form():
         StaticRouter(None),
         KeywordRouter([(["refund"], "b")], default="a"),
         ClassifierRouter(None, experts, threshold=0.5),
-        GateRouter(None, [None, "a"], [[1.0], [0.0]], [0.0, 0.0], [0.0], [1.0]),
+        GateRouter(None, [None, "a"], [0.0], [1.0], [[1.0]], [[[1.0], [0.0]]], [[0.0, 0.0]]),
     ]
     for router in routers:
         assert json.dumps(router_from_spec(router.spec, None).spec) == json.dumps(router.spec)
@@ -78,7 +78,16 @@ def test_invalid_specs_say_what_is_wrong():
     with pytest.raises(RouterSpecError, match="unknown router kind 'x'"):
         parse_router_spec({"kind": "x"})
     with pytest.raises(RouterSpecError, match=r"bad gate router spec: .*weight: Field required"):
-        parse_router_spec({"kind": "gate", "choices": [None, "a"], "bias": [0, 0], "mean": [0], "scale": [1]})
+        parse_router_spec(
+            {
+                "kind": "gate",
+                "choices": [None, "a"],
+                "bias": [[0, 0]],
+                "mean": [0],
+                "scale": [1],
+                "projection": [[1]],
+            }
+        )
     with pytest.raises(RouterSpecError, match="adapter"):
         parse_router_spec({"kind": "static", "adapter": 5})
     with pytest.raises(RouterSpecError, match="JSON object"):

@@ -134,8 +134,8 @@ def test_a_mixture_is_one_composed_adapter_loaded_once_through_the_vllm_contract
 
 
 def test_a_learned_gate_routes_through_the_vllm_contract(stack):
-    """The gate reads the base model's embeddings from vLLM's /v1/embeddings and picks one
-    adapter per request (hard top-1), through the outer gateway."""
+    """The gate reads the base model's embeddings from vLLM's /v1/embeddings and weighs the
+    adapters per layer, through the outer gateway."""
     inner, outer = stack
     texts = ["Where is my order #W1?", "I want to return a lamp."]
     direct = httpx.post(f"{inner.url}/v1/embeddings", json={"model": "base", "input": texts}, timeout=60)
@@ -154,18 +154,28 @@ def test_a_learned_gate_routes_through_the_vllm_contract(stack):
         f"{outer.url}/v1/load_lora_adapter", json={"lora_name": "alpha@3", "lora_path": "alpha/1"}, timeout=60
     )
     assert r.status_code == 200, r.text
-    gate = {  # whatever the request, alpha is likelier than the base
+    layers = 30  # SmolLM2-135M's: the inner server's model
+    gate = {  # whatever the request: even layers half base, half alpha; odd layers all alpha
         "kind": "gate",
         "choices": [None, "alpha"],
-        "weight": [[0.0] * size, [0.0] * size],
-        "bias": [0.0, 1.0],
         "mean": [0.0] * size,
         "scale": [1.0] * size,
-        "threshold": 0.5,
+        "projection": [[0.0] * size],
+        "weight": [[[0.0], [0.0]]] * layers,
+        "bias": [[0.0, 0.0] if layer % 2 == 0 else [-50.0, 0.0] for layer in range(layers)],
     }
     assert httpx.post(f"{outer.url}/v1/router", json=gate, timeout=60).status_code == 200
-    assert chat(outer.url, "default", "Tell me a fact.")["model"] == "alpha@3"
-    wrong_size = {**gate, "weight": [[0.0] * 3] * 2, "mean": [0.0] * 3, "scale": [1.0] * 3}
+    routed = chat(outer.url, "default", "Tell me a fact.")
+    # Served exactly, per layer: composed into one ordinary LoRA that vLLM loads like any other.
+    assert routed["model"].startswith("alpha@3:0.75;layers=")
+    composed = [
+        m["id"] for m in httpx.get(f"{inner.url}/v1/models").json()["data"] if m["id"].startswith("mix-")
+    ]
+    direct = [chat(inner.url, name, "Tell me a fact.")["choices"][0]["token_ids"] for name in composed]
+    assert routed["choices"][0]["token_ids"] in direct
+    plain = chat(outer.url, "alpha", "Tell me a fact.")["choices"][0]["token_ids"]
+    assert plain != routed["choices"][0]["token_ids"]
+    wrong_size = {**gate, "projection": [[0.0] * 3], "mean": [0.0] * 3, "scale": [1.0] * 3}
     r = httpx.post(f"{outer.url}/v1/router", json=wrong_size, timeout=60)
     assert r.status_code == 400 and "expects 3-d" in r.text
     assert httpx.get(f"{outer.url}/v1/router").json() == gate  # the rejected gate never went live

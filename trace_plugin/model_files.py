@@ -13,6 +13,7 @@ is an error that names it.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -55,6 +56,14 @@ def resolve_model(model: str | Path | None = None) -> Path:
             f"(models are never downloaded; pass a local directory, a .gguf file or {DEFAULT_MODEL!r})"
         )
     return path
+
+
+def num_layers(model: str | Path | None = None) -> int:
+    """How many decoder layers the model has: what a per-layer gate weighs."""
+    config = json.loads((resolve_model(model) / "config.json").read_text())
+    if not isinstance(config.get("num_hidden_layers"), int):
+        raise ModelNotFoundError(f"{model or DEFAULT_MODEL}'s config.json does not say num_hidden_layers")
+    return config["num_hidden_layers"]
 
 
 def bf16_supported() -> bool:

@@ -1,12 +1,15 @@
-"""The learned mixture-of-experts gate: which expert (or the base) should serve a request.
+"""The learned mixture-of-experts gate: how much of each expert (and of the base) each layer gets.
 
-TRACE's second composition: a small gate on the frozen base model's hidden state, trained
-on evaluation rollouts. For each practice task, every choice (the base model and each
-expert) is played; the task's label is the choice that scored best (:func:`oracle_choices`).
-The gate is a multinomial logistic regression over standardized embeddings of the
-request (:func:`trace_plugin.gateway.routing.gate_input`, embedded by the serving backend),
-so it is cheap to train on CPU, and its weights fit in the router spec that deployments
-store. At inference it is hard top-1 (:class:`~trace_plugin.gateway.routing.GateRouter`).
+TRACE's second composition: a small gate on the frozen base model's hidden state, with
+the base model and the experts frozen. For each practice task, every choice (the base
+model and each expert) is played; the task's label is the choice that scored best
+(:func:`oracle_choices`). The gate standardizes the request's embedding
+(:func:`trace_plugin.chat_template.gate_input`, embedded by the serving backend), projects
+it to a few dimensions shared by all layers, and gives each decoder layer its own softmax
+over the choices (:class:`~trace_plugin.gateway.routing.GateRouter`). It is warm-started as
+the paper's is, on the supervised labels, every layer fitted to them; the paper's optional
+fine-tuning by GRPO on the capability environments is not done here. Small enough to fit
+on CPU in seconds, and to store in the router spec that deployments keep.
 """
 
 from __future__ import annotations
@@ -31,14 +34,14 @@ class GateConfig:
         learning_rate: Adam's step size.
         weight_decay: L2 penalty; the embedding has hundreds of dimensions and the
             labels are few, so the gate must stay simple.
-        threshold: the routed probability below which a request goes to the base model.
+        rank: the size of the projection every layer's softmax reads.
         seed: for the initialization.
     """
 
     epochs: int = 300
     learning_rate: float = 0.05
     weight_decay: float = 1e-2
-    threshold: float = 0.0
+    rank: int = 16
     seed: int = 0
 
 
@@ -66,13 +69,17 @@ class GateTrainer:
         embeddings: Sequence[Sequence[float]],
         labels: Sequence[str | None],
         choices: Sequence[str | None],
+        layers: int,
     ) -> GateSpec:
+        """Every one of ``layers`` softmaxes is fitted to the labels (cross-entropy, averaged)."""
         import torch
 
         if len(embeddings) != len(labels) or not embeddings:
             raise ValueError("the gate needs one label per embedding, and at least one of each")
-        if None not in choices or len(choices) < 2:
-            raise ValueError("the gate chooses between the base model (None) and at least one expert")
+        if len(choices) < 2 or choices[0] is not None or None in choices[1:]:
+            raise ValueError("the gate chooses between the base model (None, first) and at least one expert")
+        if layers < 1:
+            raise ValueError(f"the gate needs one layer or more, not {layers}")
         unknown = set(labels) - set(choices)
         if unknown:
             raise ValueError(f"labels that are not choices: {sorted(map(str, unknown))}")
@@ -81,31 +88,37 @@ class GateTrainer:
         y = torch.tensor([list(choices).index(label) for label in labels])
         mean, scale = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-6)
         x = (x - mean) / scale
-        layer = torch.nn.Linear(x.shape[1], len(choices))
+        projection = torch.nn.Linear(x.shape[1], self.config.rank, bias=False)
+        weight = torch.nn.Parameter(0.1 * torch.randn(layers, len(choices), self.config.rank))
+        bias = torch.nn.Parameter(torch.zeros(layers, len(choices)))
         optimizer = torch.optim.Adam(
-            layer.parameters(), lr=self.config.learning_rate, weight_decay=self.config.weight_decay
+            [*projection.parameters(), weight, bias],
+            lr=self.config.learning_rate,
+            weight_decay=self.config.weight_decay,
         )
         for _ in range(self.config.epochs):
             optimizer.zero_grad()
-            loss = torch.nn.functional.cross_entropy(layer(x), y)
+            logits = torch.einsum("nk,lck->lnc", projection(x), weight) + bias[:, None, :]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, len(choices)), y.repeat(layers))
             loss.backward()
             optimizer.step()
         return GateSpec(
             choices=list(choices),
-            weight=_rounded(layer.weight),
-            bias=_rounded(layer.bias),
             mean=_rounded(mean),
             scale=_rounded(scale),
-            threshold=self.config.threshold,
+            projection=_rounded(projection.weight),
+            weight=_rounded(weight),
+            bias=_rounded(bias),
         )
 
 
 def _rounded(tensor: Any) -> Any:
     """Six significant digits: a gate's spec is stored as JSON with every deployment."""
-    values = tensor.detach().tolist()
-    if isinstance(values, list) and values and isinstance(values[0], list):
-        return [[float(f"{v:.6g}") for v in row] for row in values]
-    return [float(f"{v:.6g}") for v in values]
+
+    def rounded(values: Any) -> Any:
+        return [rounded(v) for v in values] if isinstance(values, list) else float(f"{values:.6g}")
+
+    return rounded(tensor.detach().tolist())
 
 
 Play = Callable[[EnvSpec, str, Sequence[int]], Awaitable[list[float]]]
@@ -118,10 +131,12 @@ async def fit_gate(
     play: Play,
     embed: Embed,
     seeds: Sequence[int],
+    layers: int,
     config: GateConfig | None = None,
 ) -> tuple[GateSpec, dict[str, Any]]:
     """Play the base model and every adapter on ``seeds`` of every environment, label each
-    task with its best choice, and fit a gate to the tasks' requests.
+    task with its best choice, and fit a gate over ``layers`` decoder layers to the tasks'
+    requests.
 
     ``play(spec, model, seeds)`` returns one reward per seed (``model`` is ``"base"`` or an
     adapter name); ``embed`` is the serving backend's. Returns the router spec and a report.
@@ -134,6 +149,7 @@ async def fit_gate(
             scores[choice] += await play(spec, choice or "base", seeds)
         requests += [SpecEnv(spec).reset(seed).prompt for seed in seeds]
     labels = oracle_choices(scores)
-    router = GateTrainer(config).train(await embed([gate_input(r) for r in requests]), labels, choices)
+    embeddings = await embed([gate_input(r) for r in requests])
+    router = GateTrainer(config).train(embeddings, labels, choices, layers)
     counts = Counter("base" if label is None else label for label in labels)
     return router, {"tasks": len(labels), "labels": dict(counts)}

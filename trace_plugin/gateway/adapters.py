@@ -174,7 +174,7 @@ class AdapterRegistry:
     async def _compose(self, served: str, mixture: Mixture) -> _Version:
         from trace_plugin.gateway.composition import compose_adapter
 
-        parts = [(self._versions[name].path, weight) for name, weight in mixture.weights]
+        parts = [(self._versions[name].path, weight) for name, weight in mixture.parts()]
         # Composed afresh on every load: a name@version unloaded and loaded again may be other files.
         path = await asyncio.to_thread(compose_adapter, parts, self.root / MIXTURES_DIR / served)
         return await self._load_verified(served, path)

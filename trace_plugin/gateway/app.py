@@ -208,9 +208,7 @@ def create_app(
             choice = await router.route(messages, tools)
             app.state.routing_seconds += time.perf_counter() - start
             # An adapter unloaded since the router was set serves nobody; the rest keep their shares.
-            listing = registry.listing()
-            available = {name: w for name, w in choice.weights if name in listing}
-            return Mixture.of(available), router_version(router.spec)
+            return choice.restricted(registry.listing()), router_version(router.spec)
         raise GatewayError(404, f"model {model!r} does not exist", "invalid_request_error", "model_not_found")
 
     async def generate(

@@ -3,6 +3,7 @@
 A mixture W' = W + Σ_c α_c s_c B_c A_c (s_c: adapter c's scaling, alpha/r) is, per layer,
 one LoRA of rank Σ r_c: A = [α_1 s_1 A_1; α_2 s_2 A_2; ...] stacked by rows, B = [B_1 B_2 ...]
 side by side, and scaling 1 (PEFT's ``add_weighted_adapter(combination_type="cat")``).
+A per-layer mixture (the learned gate's) folds each layer's own α into that layer's A.
 It is written as an ordinary PEFT adapter directory, so both backends load it the way
 they load any adapter: vLLM through its runtime LoRA API, the embedded backend into PEFT,
 where it batches with other adapters through the mixed-batch path. The exactness is
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,17 +30,21 @@ from trace_plugin.gateway.adapters import AdapterError
 WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+_LAYER = re.compile(r"\.layers\.(\d+)\.")  # a decoder layer's index in a module's name
+
+Weight = float | Sequence[float]  # one weight, or one per decoder layer
 
 
-def compose_adapter(parts: Sequence[tuple[Path, float]], out: Path) -> Path:
+def compose_adapter(parts: Sequence[tuple[Path, Weight]], out: Path) -> Path:
     """Write the adapter for ``Σ weight · adapter`` over ``parts`` to ``out``, replacing it.
 
-    Every part must be a plain LoRA: no DoRA, no bias or saved modules, one rank and one
-    alpha for all its layers. A layer that only some parts adapt gets zero blocks from the
-    others.
+    A part's weight is one number, or one per decoder layer (``weight[l]`` for the modules
+    of ``layers.l``). Every part must be a plain LoRA: no DoRA, no bias or saved modules,
+    one rank and one alpha for all its layers. A layer that only some parts adapt gets
+    zero blocks from the others.
     """
-    if len(parts) < 2:
-        raise AdapterError("a composed adapter needs at least two parts")
+    if not parts:
+        raise AdapterError("a composed adapter needs at least one part")
     loaded = [(_lora(path), weight) for path, weight in parts]
     modules = sorted({m for (_, _, tensors), _ in loaded for m in tensors})
     rank = sum(config["r"] for (config, _, _), _ in loaded)
@@ -49,7 +55,7 @@ def compose_adapter(parts: Sequence[tuple[Path, float]], out: Path) -> Path:
         for (config, scaling, tensors), weight in loaded:
             r = config["r"]
             a, b = tensors.get(module) or (np.zeros((r, a0.shape[1])), np.zeros((b0.shape[0], r)))
-            a_blocks.append(a * (weight * scaling))
+            a_blocks.append(a * (_weight_of(module, weight) * scaling))
             b_blocks.append(b)
         weights[module + _A] = np.concatenate(a_blocks, axis=0).astype(np.float32)
         weights[module + _B] = np.concatenate(b_blocks, axis=1).astype(np.float32)
@@ -73,6 +79,15 @@ def compose_adapter(parts: Sequence[tuple[Path, float]], out: Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(partial, out)
     return out
+
+
+def _weight_of(module: str, weight: Weight) -> float:
+    if isinstance(weight, int | float):
+        return float(weight)
+    found = _LAYER.search(module)
+    if found is None or int(found[1]) >= len(weight):
+        raise AdapterError(f"per-layer weights for {len(weight)} layers do not cover the module {module}")
+    return float(weight[int(found[1])])
 
 
 def _lora(path: Path) -> tuple[dict[str, Any], float, dict[str, tuple[np.ndarray, np.ndarray]]]:

@@ -7,9 +7,9 @@ weight 1 is a plain choice. Every
 router is described by a JSON spec (``router.spec``, the wire form of a
 :mod:`trace_plugin.records.router_spec` model), which is what deployments store and what the
 gateway's admin API accepts, so a router version can be deployed, recorded and rolled back
-like an adapter: static, keyword, the TRACE paper's base model as classifier, and a learned
-mixture-of-experts gate over the base model's embedding of the request (trained by
-``training.gate``), hard top-1. A gate's weights live in its spec, so a gate is versioned
+like an adapter: static, keyword, the TRACE paper's base model as classifier, and its
+learned per-layer mixture-of-experts gate over the base model's embedding of the request
+(trained by ``training.gate``). A gate's weights live in its spec, so a gate is versioned
 and rolled back like any router.
 """
 
@@ -239,65 +239,77 @@ class ClassifierRouter:
 
 
 class GateRouter:
-    """A learned gate: softmax(W · standardized embedding + b) over the base and the experts.
+    """The paper's learned gate: per decoder layer, a softmax over the base model and the
+    experts, computed once from the request's embedding and held for the conversation.
 
-    Hard top-1 (not yet the paper's soft per-layer gate); below ``threshold`` the request
-    goes to the base model. ``choices[i]`` is the adapter for class i (None: the base).
+    ``choices[0]`` is the base model's slot (None); ``choices[i]`` the adapter of class i.
+    The result is a per-layer :class:`Mixture` (one composed adapter on either backend),
+    or a plain one when every layer agrees.
     """
 
     def __init__(
         self,
         backend: Backend,
         choices: Sequence[str | None],
-        weight: Sequence[Sequence[float]],
-        bias: Sequence[float],
         mean: Sequence[float],
         scale: Sequence[float],
+        projection: Sequence[Sequence[float]],
+        weight: Sequence[Sequence[Sequence[float]]],
+        bias: Sequence[Sequence[float]],
         *,
-        threshold: float = 0.0,
         cache_size: int = 4096,
     ) -> None:
-        if len(choices) < 2 or not (len(choices) == len(weight) == len(bias)):
-            raise RouterSpecError("a gate needs one weight row and bias per choice, two choices or more")
-        if any(len(row) != len(mean) for row in weight) or len(scale) != len(mean):
-            raise RouterSpecError("gate weight rows, mean and scale must have the embedding's size")
+        if len(choices) < 2 or choices[0] is not None or None in choices[1:]:
+            raise RouterSpecError("a gate's choices are the base model (None) first, then one expert or more")
+        if not projection or any(len(row) != len(mean) for row in projection) or len(scale) != len(mean):
+            raise RouterSpecError("gate projection rows, mean and scale must have the embedding's size")
+        if not weight or len(bias) != len(weight):
+            raise RouterSpecError("a gate needs one weight matrix and one bias per layer, one layer or more")
+        for heads, offsets in zip(weight, bias, strict=True):
+            if len(heads) != len(choices) or len(offsets) != len(choices):
+                raise RouterSpecError("every layer of a gate has one weight row and bias per choice")
+            if any(len(row) != len(projection) for row in heads):
+                raise RouterSpecError("gate weight rows must have the projection's rank")
         if any(s <= 0 for s in scale):
             raise RouterSpecError("gate scales must be positive")
         self.backend, self.choices = backend, list(choices)
-        self.weight, self.bias = [list(map(float, row)) for row in weight], list(map(float, bias))
         self.mean, self.scale = list(map(float, mean)), list(map(float, scale))
-        self.threshold = threshold
+        self.projection = [list(map(float, row)) for row in projection]
+        self.weight = [[list(map(float, row)) for row in heads] for heads in weight]
+        self.bias = [list(map(float, offsets)) for offsets in bias]
         self._decisions = _Decisions(cache_size)
         self.spec = GateSpec(
             choices=self.choices,
-            weight=self.weight,
-            bias=self.bias,
             mean=self.mean,
             scale=self.scale,
-            threshold=threshold,
+            projection=self.projection,
+            weight=self.weight,
+            bias=self.bias,
         ).to_dict()
 
-    def probabilities(self, embedding: Sequence[float]) -> list[float]:
+    def probabilities(self, embedding: Sequence[float]) -> list[list[float]]:
+        """Per layer, the probability of each choice."""
         if len(embedding) != len(self.mean):
             raise RouterSpecError(f"the gate expects {len(self.mean)}-d embeddings, got {len(embedding)}")
         x = [(v - m) / s for v, m, s in zip(embedding, self.mean, self.scale, strict=True)]
-        logits = [
-            sum(w * v for w, v in zip(row, x, strict=True)) + b
-            for row, b in zip(self.weight, self.bias, strict=True)
+        z = [sum(p * v for p, v in zip(row, x, strict=True)) for row in self.projection]
+        return [
+            _softmax(
+                [
+                    sum(w * v for w, v in zip(row, z, strict=True)) + b
+                    for row, b in zip(heads, offsets, strict=True)
+                ]
+            )
+            for heads, offsets in zip(self.weight, self.bias, strict=True)
         ]
-        top = max(logits)
-        exps = [math.exp(v - top) for v in logits]
-        total = sum(exps)
-        return [e / total for e in exps]
 
     async def route(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Mixture:
         request = _last_user(messages)
         if (known := self._decisions.get(request)) is not None:
             return known
         [embedding] = await self.backend.embed([gate_input(request)])
-        probabilities = self.probabilities(embedding)
-        best = max(range(len(probabilities)), key=probabilities.__getitem__)
-        choice = Mixture.of(self.choices[best] if probabilities[best] >= self.threshold else None)
+        layers = self.probabilities(embedding)
+        choice = Mixture.per_layer([dict(zip(self.choices, row, strict=True)) for row in layers])
         self._decisions.put(request, choice)
         return choice
 
@@ -315,13 +327,7 @@ def router_from_spec(spec: RouterSpec | dict[str, Any], backend: Backend) -> Rou
             experts = [ExpertChoice(e.adapter, e.name, e.description) for e in model.experts]
             return ClassifierRouter(backend, experts, threshold=model.threshold, retrieval=model.retrieval)
         return GateRouter(
-            backend,
-            model.choices,
-            model.weight,
-            model.bias,
-            model.mean,
-            model.scale,
-            threshold=model.threshold,
+            backend, model.choices, model.mean, model.scale, model.projection, model.weight, model.bias
         )
     except RouterSpecError:
         raise
@@ -332,6 +338,13 @@ def router_from_spec(spec: RouterSpec | dict[str, Any], backend: Backend) -> Rou
 def referenced_adapters(spec: RouterSpec | dict[str, Any]) -> set[str]:
     """Every adapter a (valid) router spec can send requests to."""
     return {name for name in parse_router_spec(spec).adapters() if name is not None}
+
+
+def _softmax(logits: Sequence[float]) -> list[float]:
+    top = max(logits)
+    exps = [math.exp(v - top) for v in logits]
+    total = sum(exps)
+    return [e / total for e in exps]
 
 
 def _unit(vector: Sequence[float]) -> list[float]:

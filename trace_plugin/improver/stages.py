@@ -179,12 +179,13 @@ async def retrieval_corpus(
 async def learned_router(
     improver: Improver, adapters: dict[str, str], experts: dict[str, str] | None = None
 ) -> Routing:
-    """A learned gate over the base model and ``adapters`` (capability -> served name),
-    fitted on practice tasks of their environments: which choice won each.
+    """A learned per-layer gate over the base model and ``adapters`` (capability -> served
+    name), fitted on practice tasks of their environments: which choice won each.
 
     ``experts`` (capability -> expert id) names this cycle's experts; any other
     capability's environment is its latest ready expert's.
     """
+    from trace_plugin.model_files import num_layers
     from training.gate import fit_gate
 
     async def play(spec: EnvSpec, model: str, seeds: Sequence[int]) -> list[float]:
@@ -197,6 +198,7 @@ async def learned_router(
         play,
         improver.gateway.embed,
         list(GATE_SEEDS[: improver.config.gate_seeds]),
+        layers=num_layers(improver.config.model),
     )
     improver.console.log(f"gate fitted on {report['tasks']} practice tasks: {report['labels']}")
     return Routing(router=router, gate=GateFit(tasks=report["tasks"], labels=report["labels"]))

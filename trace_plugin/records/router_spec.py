@@ -10,8 +10,9 @@ turns a spec into a router. A spec is one of four kinds, told apart by ``kind``:
   the base model as classifier, hard top-1; with ``"retrieval": {"corpus", "k", "top_p"}``
   it is TRACE's: the most similar successful trajectories pick the candidates, and the
   label probabilities, nucleus-filtered, weigh a mixture of them;
-- ``{"kind": "gate", "choices": [NAME | null], "weight", "bias", "mean", "scale", "threshold"}``:
-  a learned gate over the base model's embedding of the request (hard top-1).
+- ``{"kind": "gate", "choices": [null, NAME, ...], "mean", "scale", "projection", "weight", "bias"}``:
+  the paper's learned gate, a softmax per decoder layer over the base model and the
+  experts, from the base model's embedding of the request.
 
 A spec's digest (:func:`router_version`) is stamped on every episode the router served and
 kept with every deployment, so a model serializes to exactly the JSON these dicts always had:
@@ -139,15 +140,20 @@ class ClassifierSpec(_Spec):
 
 
 class GateSpec(_Spec):
-    """A learned gate: softmax(weight · standardized embedding + bias) over ``choices``."""
+    """A learned per-layer gate over ``choices`` (None, the base model's slot, first).
+
+    The request's embedding x is standardized (``mean``, ``scale``) and projected to a few
+    dimensions, z = ``projection`` · x, shared by every layer; layer l weighs the choices
+    by softmax(``weight[l]`` · z + ``bias[l]``). Shared, so a spec stays small.
+    """
 
     kind: Literal["gate"] = "gate"
     choices: list[str | None]
-    weight: list[list[float]]
-    bias: list[float]
     mean: list[float]
     scale: list[float]
-    threshold: float = 0.0
+    projection: list[list[float]]  # rank × embedding size
+    weight: list[list[list[float]]]  # layers × choices × rank
+    bias: list[list[float]]  # layers × choices
 
     def adapters(self) -> list[str | None]:
         return list(self.choices)
