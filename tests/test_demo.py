@@ -39,3 +39,33 @@ def test_demo_measures_before_and_after_around_one_cycle_and_writes_its_reports(
     assert json.loads((out / "demo.json").read_text())["after"] == json.loads(json.dumps(report["after"]))
     assert f"**{report['after']['success']:.2f}**" in (out / "demo.md").read_text()
     assert (out / "demo.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_report_flags_an_expert_whose_unhinted_reward_never_rose_beside_its_held_out_result():
+    expert = {
+        "id": "e1",
+        "capability": "tool_call_format",
+        "status": "ready",
+        "reward_curve": [0.04, 0.18],
+        "unhinted_curve": [0.0, None, 0.0],
+        "learned_unhinted": False,
+        "held_out": {"base": 0.0, "current": 0.0, "candidate": 0.57},
+    }
+    learned = {**expert, "id": "e2", "unhinted_curve": [0.0, 0.25], "learned_unhinted": True}
+    learned["held_out"] = None
+    report = {
+        "preset": "tiny",
+        "model": "m",
+        "seconds": {"total": 60.0},
+        "before": {"n": 2, "success": 0.5, "by_kind": {"lookup": 0.5}},
+        "after": {"n": 2, "success": 0.5, "by_kind": {"lookup": 0.5}},
+        "capabilities": [],
+        "environments": [],
+        "experts": [expert, learned],
+        "decisions": [],
+    }
+    lines = demo.markdown(report).splitlines()
+    [flagged] = [line for line in lines if "(e1)" in line]
+    assert "un-hinted [0.0, None, 0.0] (never rose: flagged)" in flagged and "0.00 → 0.57" in flagged
+    [fine] = [line for line in lines if "(e2)" in line]
+    assert fine.endswith("un-hinted [0.0, 0.25]")

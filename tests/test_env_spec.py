@@ -17,6 +17,7 @@ from trace_plugin.environments.validation import Band, adjust, calibrate, check_
 from trace_plugin.mining.kinds import KINDS, FamilyName
 from trace_plugin.records.env_spec import EnvSpec, SpecError, parse_spec
 from trace_plugin.records.expert import Expert
+from trace_plugin.records.router_spec import CorpusEntry
 from trace_plugin.store import Store
 
 
@@ -272,6 +273,15 @@ def test_adjust_has_a_last_step():
 # -- storage -------------------------------------------------------------------------------
 
 
+def test_an_expert_learned_without_hints_only_if_its_unhinted_reward_rose():
+    def expert(curve):
+        return Expert("a", "c", "c-env", 1, "m", "", {}, unhinted_curve=curve)
+
+    assert expert([None, 0.0, 0.25]).learned_unhinted and expert([0.1, 0.0, 0.2]).learned_unhinted
+    assert not expert([0.0, None, 0.0]).learned_unhinted and not expert([0.3, 0.1]).learned_unhinted
+    assert not expert([None, None]).learned_unhinted and not expert([]).learned_unhinted
+
+
 def test_specs_and_experts_are_stored_and_versioned(db_url):
     store = Store(db_url)
     store.upgrade()
@@ -293,5 +303,13 @@ def test_specs_and_experts_are_stored_and_versioned(db_url):
     store.save_expert(expert)
     [loaded] = store.experts("support", status="ready")
     assert loaded.id == expert.id and loaded.reward_curve == [0.1, 0.4] and loaded.config == {"lr": 3e-4}
-    assert store.experts("support", status="training") == []
+    assert loaded.corpus == [] and store.experts("support", status="training") == []
+    # Its retrieval corpus is kept with it, typed as the router spec holds it.
+    entry = CorpusEntry(
+        capability="tool_call_format", request="Where is #W1?", solution="get_order()", embedding=[0.5, -1.25]
+    )
+    expert.corpus, expert.unhinted_curve = [entry], [0.0, None, 0.25]
+    store.save_expert(expert)
+    assert store.expert(expert.id).corpus == [entry] == store.experts("support")[0].corpus
+    assert store.expert(expert.id).unhinted_curve == [0.0, None, 0.25]
     store.close()

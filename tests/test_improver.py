@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -179,8 +180,9 @@ async def test_the_classifier_retrieves_from_reference_plays_and_routes_a_mixtur
     sqlite_url, embedded_backend, tmp_path
 ):
     """TRACE's router from the route stage: a corpus of each environment's reference plays,
-    embedded through the real gateway, pinned in the spec; a request of one environment
-    retrieves that capability first, and the candidate router serves what it decides."""
+    embedded through the real gateway, kept with its expert and pinned in the spec; a
+    request of one environment retrieves that capability first, and the candidate router
+    serves what it decides."""
 
     from trace_plugin.gateway.adapters import split_name
     from trace_plugin.gateway.app import GatewayConfig, create_app
@@ -214,6 +216,11 @@ async def test_the_classifier_retrieves_from_reference_plays_and_routes_a_mixtur
             assert model == embedded_backend.model_id
         top1 = Improver(store, ImproverConfig("a", gateway.url, tmp_path, router="top1"))
         assert "retrieval" not in (await top1._route(experts)).router.to_dict()
+        # Each expert keeps its corpus: the next router reads it instead of playing and embedding again.
+        kept = [entry.model_dump() for i in experts.values() for entry in store.expert(i).corpus]
+        assert sorted(kept, key=json.dumps) == sorted(corpus, key=json.dumps)
+        improver.gateway.embed = None  # type: ignore[assignment]  # not called again
+        assert (await improver._route(experts)).router.to_dict() == router
 
 
 @pytest.mark.slow

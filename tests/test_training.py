@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
@@ -317,6 +318,8 @@ def test_tiny_run_produces_a_loadable_adapter_with_its_hash(retail_expert):
     assert result.adapter_dir == Path(config.output_dir) and result.steps == 2
     assert len(result.reward_curve) == 2 and all(0.0 <= r <= 1.0 for r in result.reward_curve)
     assert [log["step"] for log in result.logs] == [1.0, 2.0]
+    unhinted = [log["episodes/unhinted_reward"] for log in result.logs]  # NaN: a step without one
+    assert result.unhinted_curve == [None if math.isnan(v) else v for v in unhinted]
     assert file_sha256(result.adapter_dir / ADAPTER_WEIGHTS) == result.adapter_sha256
     assert result.base_model == resolve_model() and result.base_model_sha256 == weights_sha256(
         resolve_model()

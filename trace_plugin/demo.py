@@ -183,6 +183,11 @@ def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | No
         stack.stop()
 
     traffic_success = sum(reward_succeeds(r.reward.total) for r in traffic_results) / len(traffic_results)
+    held_out = {  # the latest evaluation of each capability
+        capability: scores
+        for d in store.deployments(AGENT)
+        for capability, scores in (d.evaluation.get("capabilities") or {}).items()
+    }
     report = {
         "preset": preset_name,
         "settings": asdict(preset),
@@ -203,7 +208,15 @@ def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | No
             for r in store.env_specs(AGENT)
         ],
         "experts": [
-            {"id": e.id, "capability": e.capability, "status": e.status, "reward_curve": e.reward_curve}
+            {
+                "id": e.id,
+                "capability": e.capability,
+                "status": e.status,
+                "reward_curve": e.reward_curve,
+                "unhinted_curve": e.unhinted_curve,
+                "learned_unhinted": e.learned_unhinted,
+                "held_out": held_out.get(e.capability),  # its environment's held-out seeds: base, candidate
+            }
             for e in store.experts(AGENT)
         ],
         "deployment": None if deployment is None else {"id": deployment.id, "adapters": deployment.adapters},
@@ -264,13 +277,16 @@ def _print(console: Console, report: dict[str, Any]) -> None:
         "contrast Δ",
         "environment",
         "expert reward (first → last)",
+        "un-hinted reward per step",
+        "held-out: base → expert",
     ):
         experts.add_column(column)
     envs = {e["name"].removesuffix("-env"): e for e in report["environments"]}
-    curves = {e["capability"]: e["reward_curve"] for e in report["experts"]}
+    trained = {e["capability"]: e for e in report["experts"]}
     for c in report["capabilities"]:
         env = envs.get(c["name"])
-        curve = curves.get(c["name"]) or []
+        expert = trained.get(c["name"]) or {}
+        curve = expert.get("reward_curve") or []
         experts.add_row(
             c["name"],
             c["selected_by"] or "—",
@@ -278,6 +294,8 @@ def _print(console: Console, report: dict[str, Any]) -> None:
             f"{c['contrast']:+.2f}",
             f"{env['status']}" if env else "—",
             f"{curve[0]:.2f} → {curve[-1]:.2f}" if curve else "—",
+            _unhinted(expert) if expert else "—",
+            _held_out(expert) if expert.get("held_out") else "—",
         )
     console.print(experts)
     for d in report["decisions"]:
@@ -315,7 +333,8 @@ def markdown(report: dict[str, Any]) -> str:
         *(f"- environment {e['name']} v{e['version']}: {e['status']}" for e in report["environments"]),
         *(
             f"- expert {e['capability']} ({e['id']}): {e['status']}, "
-            f"reward per step {[round(r, 2) for r in e['reward_curve']]}"
+            f"reward per step {[round(r, 2) for r in e['reward_curve']]}, un-hinted {_unhinted(e)}"
+            + (f"; held-out seeds, base → expert: {_held_out(e)}" if e["held_out"] else "")
             for e in report["experts"]
         ),
         *(f"- deployment {d['id']}: {d['status']} {'; '.join(d['reasons'])}" for d in report["decisions"]),
@@ -324,6 +343,16 @@ def markdown(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _unhinted(expert: dict[str, Any]) -> str:
+    """An expert's un-hinted reward per step, flagged when it never rose: hints alone carried it."""
+    curve = [None if v is None else round(v, 2) for v in expert["unhinted_curve"]]
+    return f"{curve}" + ("" if expert["learned_unhinted"] else " (never rose: flagged)")
+
+
+def _held_out(expert: dict[str, Any]) -> str:
+    return f"{expert['held_out']['base']:.2f} → {expert['held_out']['candidate']:.2f}"
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

@@ -453,8 +453,10 @@ class ExpertResult:
     adapter_dir: Path
     adapter_sha256: str  # of adapter_model.safetensors
     # Mean episode reward per optimizer step, over the rollouts trained on (hinted ones and
-    # resampled groups included); ``logs`` has the un-hinted mean beside it.
+    # resampled groups included), and over the un-hinted ones alone (None: a step had none):
+    # whether the expert learned to act without its hints.
     reward_curve: list[float]
+    unhinted_curve: list[float | None]
     config: dict[str, Any]
     base_model: Path
     base_model_sha256: str  # of the base model's weight files
@@ -471,6 +473,7 @@ class ExpertResult:
     def load(cls, adapter_dir: Path) -> ExpertResult:
         data = json.loads((adapter_dir / RESULT_FILE).read_text())
         data["adapter_dir"], data["base_model"] = Path(adapter_dir), Path(data["base_model"])
+        data.setdefault("unhinted_curve", [])  # published before it was recorded
         return cls(**data)
 
 
@@ -601,6 +604,7 @@ class ExpertTrainer:
             adapter_dir=self.final_dir,
             adapter_sha256=file_sha256(staging / ADAPTER_WEIGHTS),
             reward_curve=[entry["reward"] for entry in logs],
+            unhinted_curve=[_number(entry.get("episodes/unhinted_reward")) for entry in logs],
             config=self.config.to_dict(),
             base_model=self.model_dir,
             base_model_sha256=weights_sha256(self.model_dir),
@@ -707,6 +711,11 @@ def evaluate(
             rewards[rollout.seed] = rollout.reward
     n = max(len(rewards), 1)
     return EvalResult(sum(rewards.values()) / n, sum(map(reward_succeeds, rewards.values())) / n, rewards)
+
+
+def _number(value: float | None) -> float | None:
+    """A logged mean as JSON keeps it: NaN (no rollout to average) is None."""
+    return None if value is None or math.isnan(value) else value
 
 
 def file_sha256(path: Path) -> str:

@@ -32,6 +32,7 @@ from trace_plugin.improver.outputs import (
 from trace_plugin.recorder import Recorder, default_recorder
 from trace_plugin.records.deployment import Deployment
 from trace_plugin.records.env_spec import EnvSpec
+from trace_plugin.records.expert import Expert
 from trace_plugin.records.job import Job, job_id
 from trace_plugin.records.trajectory import new_id, utcnow
 from trace_plugin.store import Store
@@ -255,8 +256,16 @@ class Improver:
         return live[-1] if live else None
 
     def spec(self, capability: str, experts: dict[str, str] | None = None) -> EnvSpec:
-        """The environment ``capability``'s expert trained in: this cycle's (``experts``:
-        capability -> expert id) or else the latest ready one's."""
+        """The environment ``capability``'s expert (:meth:`expert_of`) trained in."""
+        expert = self.expert_of(capability, experts)
+        record = self.store.env_spec(expert.env_name, expert.env_version)
+        if record is None:
+            raise ImproverError(f"environment {expert.env_name} v{expert.env_version} is not in the store")
+        return record.spec
+
+    def expert_of(self, capability: str, experts: dict[str, str] | None = None) -> Expert:
+        """``capability``'s expert: this cycle's (``experts``: capability -> expert id) or
+        else the latest ready one."""
         expert = self.store.expert(experts[capability]) if experts and capability in experts else None
         if expert is None:
             expert = next(
@@ -269,7 +278,4 @@ class Improver:
             )
         if expert is None:
             raise ImproverError(f"no ready expert of {capability!r} for {self.config.agent!r}")
-        record = self.store.env_spec(expert.env_name, expert.env_version)
-        if record is None:
-            raise ImproverError(f"environment {expert.env_name} v{expert.env_version} is not in the store")
-        return record.spec
+        return expert

@@ -78,6 +78,7 @@ class Trained(Output):
     expert: str  # the expert's id
     adapter: str  # its adapter directory
     reward_curve: list[float]
+    unhinted_curve: list[float | None] = field(default_factory=list)  # absent from older jobs
 
 
 @dataclass(frozen=True)

@@ -122,10 +122,15 @@ def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> 
         store.save_expert(expert)
         raise
     expert.status, expert.reward_curve = "ready", list(result.reward_curve)
+    expert.unhinted_curve = list(result.unhinted_curve)
     expert.adapter_path, expert.adapter_sha256 = str(result.adapter_dir), result.adapter_sha256
     expert.base_model, expert.base_model_hash = str(result.base_model), result.base_model_sha256
     store.save_expert(expert)
-    return Trained(expert=expert_id, adapter=str(output), reward_curve=list(result.reward_curve))
+    if not expert.learned_unhinted:
+        improver.console.log(
+            f"[yellow]{capability}: the un-hinted reward never rose[/] {expert.unhinted_curve}"
+        )
+    return Trained(expert_id, str(output), list(result.reward_curve), list(result.unhinted_curve))
 
 
 async def load_candidates(improver: Improver, experts: dict[str, str]) -> dict[str, str]:
@@ -151,8 +156,16 @@ async def route(improver: Improver, experts: dict[str, str]) -> Routing:
         return await improver.learned_router(adapters, experts)
     corpus = None
     if config.router == "classifier" and len(adapters) > 1:
-        specs = {capability: improver.spec(capability, experts) for capability in adapters}
-        corpus = await retrieval_corpus(specs, improver.gateway.embed, CORPUS_SEEDS[: config.corpus_seeds])
+        corpus = []
+        for capability in adapters:  # each expert's corpus is computed once and kept with it
+            expert = improver.expert_of(capability, experts)
+            if not expert.corpus:
+                specs = {capability: improver.spec(capability, experts)}
+                expert.corpus = await retrieval_corpus(
+                    specs, improver.gateway.embed, CORPUS_SEEDS[: config.corpus_seeds]
+                )
+                improver.store.save_expert(expert)
+            corpus += expert.corpus
     return Routing(router=router_spec(adapters, improver.store, config.agent, corpus, top_p=config.top_p))
 
 

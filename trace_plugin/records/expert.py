@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
+from trace_plugin.records.router_spec import CorpusEntry
 from trace_plugin.records.trajectory import new_id, utcnow
 
 ExpertStatus = Literal["training", "ready", "failed"]
@@ -27,11 +28,23 @@ class Expert:
     config: dict[str, Any]
     status: ExpertStatus = "training"
     reward_curve: list[float] = field(default_factory=list)
+    unhinted_curve: list[float | None] = field(default_factory=list)  # the un-hinted rollouts' alone
     evaluation: dict[str, Any] = field(default_factory=dict)
     adapter_path: str | None = None
     adapter_sha256: str | None = None
+    # Successful trajectories of its environment, embedded by the base model: what TRACE's
+    # router retrieves this expert by. Computed once, when a router first needs them.
+    corpus: list[CorpusEntry] = field(default_factory=list)
     id: str = field(default_factory=new_id)
     created_at: datetime = field(default_factory=utcnow)
+
+    @property
+    def learned_unhinted(self) -> bool:
+        """Whether its un-hinted reward ever rose above the first step's: an expert whose
+        hints alone carried its reward may score on held-out seeds (which carry the hint's
+        worked example too) and still have learned nothing to act on without them."""
+        values = [v for v in self.unhinted_curve if v is not None]
+        return len(values) > 1 and max(values[1:]) > values[0]
 
     @property
     def adapter_name(self) -> str:

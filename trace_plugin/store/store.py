@@ -25,6 +25,7 @@ from trace_plugin.records.env_spec import EnvSpec, SpecRecord
 from trace_plugin.records.expert import Expert
 from trace_plugin.records.job import Job
 from trace_plugin.records.outcome import outcome_clauses
+from trace_plugin.records.router_spec import CorpusEntry
 from trace_plugin.records.trajectory import Episode, EpisodeEnd, Feedback, Step, utcnow
 from trace_plugin.store import tables as t
 from trace_plugin.store.engine import json_for_store, make_engine, resolve_url
@@ -429,12 +430,14 @@ class Store:
 
     def save_expert(self, expert: Expert) -> None:
         """Insert or update an expert record (status changes as training goes)."""
-        self._upsert(t.experts, expert.agent, {**_to_row(expert, _EXPERT_COLUMNS)})
+        row = _to_row(expert, _EXPERT_COLUMNS)
+        row["corpus"] = [entry.model_dump() for entry in expert.corpus]
+        self._upsert(t.experts, expert.agent, row)
 
     def expert(self, expert_id: str) -> Expert | None:
         with self._read_engine.connect() as conn:
             row = conn.execute(select(t.experts).where(t.experts.c.id == expert_id)).mappings().first()
-        return None if row is None else _from_row(Expert, row, _EXPERT_COLUMNS)
+        return None if row is None else _expert_from_row(row)
 
     def experts(self, agent: str | None = None, *, status: str | None = None) -> list[Expert]:
         c = t.experts.c
@@ -444,7 +447,7 @@ class Store:
         if status is not None:
             query = query.where(c.status == status)
         with self._read_engine.connect() as conn:
-            return [_from_row(Expert, r, _EXPERT_COLUMNS) for r in conn.execute(query).mappings()]
+            return [_expert_from_row(r) for r in conn.execute(query).mappings()]
 
     # -- the improver ---------------------------------------------------------------
 
@@ -635,6 +638,13 @@ def _to_row(record: Any, columns: tuple[str, ...]) -> dict[str, Any]:
 
 def _from_row(cls: type[_R], row: Any, columns: tuple[str, ...]) -> _R:
     return cls(**{c: _aware(row[c]) if isinstance(row[c], datetime) else row[c] for c in columns})
+
+
+def _expert_from_row(row: Any) -> Expert:
+    expert = _from_row(Expert, row, _EXPERT_COLUMNS)
+    expert.unhinted_curve = expert.unhinted_curve or []  # NULL for experts from before it was kept
+    expert.corpus = [CorpusEntry.model_validate(entry) for entry in expert.corpus or ()]
+    return expert
 
 
 def _episode_from_row(row: Any) -> Episode:

@@ -161,9 +161,11 @@ experts = Table(
     Column("base_model_hash", String(64), nullable=False),
     Column("config", Json, nullable=False),
     Column("reward_curve", Json, nullable=False),
+    Column("unhinted_curve", Json),
     Column("evaluation", Json, nullable=False),
     Column("adapter_path", Text),
     Column("adapter_sha256", String(64)),
+    Column("corpus", Json),  # its retrieval corpus (records.router_spec.CorpusEntry), once computed
     Column("status", String(32), nullable=False),  # "training", "ready" or "failed"
     Column("created_at", Timestamp, nullable=False),
     Index("ix_experts_agent_capability", "agent", "capability"),
