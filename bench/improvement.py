@@ -17,8 +17,11 @@ support agent, the retail target), after capturing train-split traffic:
 
 All rows use the same test tasks, greedy decoding, the same training settings as the
 improver's, and at most the same number of rollouts. Success rates come with 95% bootstrap
-intervals over tasks; router accuracy is each router's agreement with the oracle's choice
-on tasks where one choice was strictly best (a per-layer mixture counts as its largest share).
+intervals over tasks, and the default TRACE row (``trace_mixture``, chosen in advance)
+with paired intervals of its gain over the base and over GRPO on the target; TRACE's
+calibration plays are counted apart from the rollout budget. Router accuracy is each
+router's agreement with the oracle's choice on tasks where one choice was strictly best
+(a per-layer mixture counts as its largest share).
 
     python bench/improvement.py [--quick] [--budget ROLLOUTS] [--tasks N] [--traffic N]
 """
@@ -98,6 +101,11 @@ def bootstrap(values: list[float], n: int = 2000, seed: int = 0) -> tuple[float,
     return means[int(0.025 * n)], means[int(0.975 * n) - 1]
 
 
+def paired_gain(method: list[float], baseline: list[float]) -> tuple[float, float]:
+    """The 95% bootstrap interval of ``method`` minus ``baseline``, resampling tasks as pairs."""
+    return bootstrap([m - b for m, b in zip(method, baseline, strict=True)])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -127,6 +135,8 @@ def main() -> None:
         experts = cycle.adapters if cycle else {}  # capability -> served adapter name
         specs = [improver.spec(capability) for capability in experts]
         trace_rollouts = sum(e.config["rollout_budget"] for e in store.experts(AGENT, status="ready"))
+        # What calibrating the environments cost TRACE (GRPO on the target pays none): its plays.
+        calibration_samples = len(store.list_episodes(f"calibration:{AGENT}", limit=10**6))
         admin = GatewayAdmin(stack.server.url)
 
         def adapter_dir(name: str) -> Path:
@@ -219,6 +229,11 @@ def main() -> None:
         figures[name] = round(sum(values) / len(values), 4)
         table.add_row(name, str(rollouts[name]), f"{figures[name]:.2f}", f"[{low:.2f}, {high:.2f}]")
     console.print(table)
+    # Fixed in advance: the default TRACE row against base and against GRPO on the target.
+    gains = {name: paired_gain(rows["trace_mixture"], rows[name]) for name in ("base", "grpo_target")}
+    for name, (low, high) in gains.items():
+        console.print(f"trace_mixture − {name}, paired by task: 95% CI [{low:+.2f}, {high:+.2f}]")
+    console.print(f"calibration samples (TRACE's, outside the rollout budget): {calibration_samples}")
     console.print(f"experts: {experts or 'none trained'}; router accuracy against the oracle: {accuracy}")
     console.print(f"{time.monotonic() - started:.0f} s in all")
     plot(figures, rollouts, home / "improvement.png")
@@ -235,6 +250,12 @@ def main() -> None:
                 "router_accuracy_top1": accuracy.get("top1"),
                 "router_accuracy_gate": accuracy.get("gate"),
                 "n_test_tasks": len(test),
+                "cycles": 1,
+                "calibration_samples": calibration_samples,
+                "gain_vs_base_ci_low": round(gains["base"][0], 4),
+                "gain_vs_base_ci_high": round(gains["base"][1], 4),
+                "gain_vs_grpo_ci_low": round(gains["grpo_target"][0], 4),
+                "gain_vs_grpo_ci_high": round(gains["grpo_target"][1], 4),
             }
         )
     )
