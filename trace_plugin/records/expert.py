@@ -40,9 +40,9 @@ class Expert:
 
     @property
     def learned_unhinted(self) -> bool:
-        """Whether its un-hinted reward ever rose above the first step's: an expert whose
-        hints alone carried its reward may score on held-out seeds (which carry the hint's
-        worked example too) and still have learned nothing to act on without them."""
+        """Whether its un-hinted reward ever rose above the first step's. If it never did,
+        the hinted rollouts carried its reward, and it may have learned nothing it can do
+        without a hint, whatever it scores elsewhere."""
         values = [v for v in self.unhinted_curve if v is not None]
         return len(values) > 1 and max(values[1:]) > values[0]
 
