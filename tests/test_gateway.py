@@ -257,7 +257,7 @@ def test_n_choices_and_tool_choice_none(client, backend):
     without = client.chat.completions.create(
         model=backend.model_id, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=1
     )
-    assert without.usage.prompt_tokens < with_tools.usage.prompt_tokens
+    assert without.usage.prompt_tokens == with_tools.usage.prompt_tokens  # "none" still shows the tools
 
 
 def test_logprobs_and_token_ids(client, backend):

@@ -133,6 +133,26 @@ def test_a_mixture_is_one_composed_adapter_loaded_once_through_the_vllm_contract
     assert single != mixed[0]["choices"][0]["token_ids"]
 
 
+def test_a_named_tool_choice_is_forced_through_the_vllm_contract(stack):
+    """vLLM completes the prompt it is sent: a call tool_choice requires starts in the prompt."""
+    from test_tool_choice import ticket
+
+    _, outer = stack
+    messages, tools = ticket()
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": messages,
+        "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "find_user"}},
+        "temperature": 0,
+        "max_tokens": 60,
+    }
+    r = httpx.post(f"{outer.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    calls = r.json()["choices"][0]["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["find_user"]
+
+
 def test_a_learned_gate_routes_through_the_vllm_contract(stack):
     """The gate reads the base model's embeddings from vLLM's /v1/embeddings and weighs the
     adapters per layer, through the outer gateway."""

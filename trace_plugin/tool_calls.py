@@ -21,6 +21,25 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
+def forced_opening(call: str | bool) -> str:
+    """The start of an assistant turn that calls ``call`` (a function's name, or True for
+    any), exactly as the shared template renders one, up to where the model must go on: the
+    name, or a named function's arguments object. Small models cannot be told to call; they
+    can be started calling. A forced call is one call: the reply stops at its :data:`CLOSE`."""
+    if call is False:
+        return ""
+    name = "" if call is True else json.dumps(call)[1:-1] + '", "arguments": {'
+    return f'{OPEN}\n{{"name": "{name}'
+
+
+def forced_reply(opening: str, text: str, stopped: bool) -> str:
+    """The whole reply of a turn started with ``opening``: a forced call stopped at its
+    closing tag, which the stop left out, gets it back."""
+    if opening and stopped and CLOSE not in text:
+        return f"{opening}{text}{CLOSE}"
+    return opening + text
+
+
 @dataclass(slots=True)
 class ParsedCompletion:
     content: str | None
@@ -30,14 +49,16 @@ class ParsedCompletion:
     error: str | None = None
 
 
-def parse_completion(text: str, *, truncated: bool = False) -> ParsedCompletion:
+def parse_completion(text: str, *, truncated: bool = False, max_calls: int | None = None) -> ParsedCompletion:
     """Split ``text`` into content and tool calls.
 
     ``truncated`` says generation hit its token limit: the finish reason is then
-    ``length`` unless complete tool calls were parsed.
+    ``length`` unless complete tool calls were parsed. ``max_calls`` keeps the first
+    calls only (OpenAI's ``parallel_tool_calls: false`` is 1); with 0 (``tool_choice:
+    "none"``) the whole text is content, whatever markup it holds.
     """
     plain_reason: FinishReason = "length" if truncated else "stop"
-    if OPEN not in text:
+    if OPEN not in text or max_calls == 0:
         return ParsedCompletion(text, finish_reason=plain_reason)
     head, _, tail = text.partition(OPEN)
     blocks = _BLOCK.findall(text)
@@ -56,7 +77,7 @@ def parse_completion(text: str, *, truncated: bool = False) -> ParsedCompletion:
             return ParsedCompletion(text, finish_reason=plain_reason, error=error)
         calls.extend(parsed)
     content = head.strip() or None
-    return ParsedCompletion(content, tool_calls=calls, finish_reason="tool_calls")
+    return ParsedCompletion(content, tool_calls=calls[:max_calls], finish_reason="tool_calls")
 
 
 def _parse_block(block: str) -> tuple[list[dict[str, Any]], str | None]:

@@ -51,7 +51,7 @@ from trace_plugin.gateway.routing import (
 from trace_plugin.recorder import Recorder
 from trace_plugin.records.mixture import Mixture
 from trace_plugin.records.trajectory import check_agent_name, utcnow
-from trace_plugin.tool_calls import parse_completion
+from trace_plugin.tool_calls import CLOSE, OPEN, forced_opening, forced_reply, parse_completion
 from trace_plugin.tracer import Tracer
 
 EPISODE_HEADER = "X-Trace-Episode"
@@ -250,18 +250,27 @@ def create_app(
         agent, episode = trace_ids(request, body)
         messages = [m.to_openai() for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        offered = tools if body.tool_choice != "none" else None
-        adapter, router = await select(body.model, messages, offered)
-        # The reply is an assistant turn of the template we rendered: it may not write a tool's answer.
-        params = _sampling(body, body.max_completion_tokens or body.max_tokens, forbidden=REPLY_FORBIDDEN)
+        adapter, router = await select(body.model, messages, tools)
+        # The reply is an assistant turn of the template we rendered: it may not write a tool's
+        # answer, nor, under tool_choice "none", open a call. The tools are rendered either way, as
+        # OpenAI does; a call that tool_choice requires is forced by starting the turn with it.
+        forbidden = (*REPLY_FORBIDDEN, *((OPEN[:-1],) if body.tool_choice == "none" else ()))
+        opening = forced_opening(body.forced_call())
+        params = _sampling(body, body.max_completion_tokens or body.max_tokens, forbidden=forbidden)
+        if opening:
+            params = replace(params, stop=(*params.stop, CLOSE))
         try:
-            prompt = backend.render(messages, offered)
+            prompt = backend.render(messages, tools) + opening
         except Exception as exc:  # a template that cannot render these messages
             raise GatewayError(400, f"cannot render the conversation: {exc}") from exc
         completions, served = await generate(prompt, params, adapter)
         choices = []
         for i, c in enumerate(completions):
-            parsed = parse_completion(c.text, truncated=c.finish_reason == "length")
+            parsed = parse_completion(
+                forced_reply(opening, c.text, stopped=c.finish_reason == "stop"),
+                truncated=c.finish_reason == "length",
+                max_calls=body.max_calls(),
+            )
             message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
             if parsed.tool_calls:
                 message["tool_calls"] = parsed.tool_calls

@@ -132,12 +132,53 @@ class _Sampling(_Lenient):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
+class ChosenFunction(_Lenient):
+    name: str = Field(min_length=1, max_length=128)
+
+
+class NamedToolChoice(_Lenient):
+    """``{"type": "function", "function": {"name": X}}``: the reply must call X."""
+
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text"]
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call per reply
+    # Only plain text: JSON modes need constrained decoding, which no backend here does yet.
+    response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False
+
+    @model_validator(mode="after")
+    def _choice_is_offered(self) -> ChatCompletionRequest:
+        if self.tool_choice in ("none", "auto", None):
+            return self
+        offered = {tool.function.name for tool in self.tools or ()}
+        if not offered:
+            raise ValueError("tool_choice that requires a call needs tools")
+        named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        if named is not None and named not in offered:
+            raise ValueError(f"tool_choice names {named!r}, which is not among the tools")
+        return self
+
+    def max_calls(self) -> int | None:
+        """How many calls a reply may make: none under ``tool_choice: "none"``, one without
+        parallel calls, else any number."""
+        return 0 if self.tool_choice == "none" else 1 if self.parallel_tool_calls is False else None
+
+    def forced_call(self) -> str | bool:
+        """The function the reply must call, True for any, False when a call is not required."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice == "required"
 
     def wants_logprobs(self) -> bool:
         return self.logprobs
