@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 from openai import BadRequestError, OpenAI
+from test_gateway import retail_ticket
 from test_gateway_hostile import ScriptedBackend
 
-from examples.support_agent.agent import few_shot_messages
-from trace_plugin.environments.retail import TEST_SEEDS, RetailEnv
 from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.server import start_in_thread
 from trace_plugin.tool_calls import CLOSE, OPEN, forced_opening
@@ -122,24 +121,10 @@ def real(embedded_backend):
         yield OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0), embedded_backend.model_id
 
 
-def ticket() -> tuple[list[dict], list[dict]]:
-    """The support agent's first turn on a retail ticket: it calls a tool when left alone."""
-    from langchain_core.messages import convert_to_openai_messages
-
-    env = RetailEnv()
-    task = env.reset(TEST_SEEDS[0])
-    examples = convert_to_openai_messages(few_shot_messages())
-    return [
-        {"role": "system", "content": env.system_prompt},
-        *examples,
-        {"role": "user", "content": task.prompt},
-    ], env.tools
-
-
 @pytest.mark.slow
 def test_tool_choice_on_the_real_model(real):
     client, model = real
-    messages, tools = ticket()
+    messages, tools = retail_ticket()  # the support agent's first turn: left alone, it calls a tool
 
     def ask(**extra):
         return client.chat.completions.create(

@@ -135,10 +135,10 @@ def test_a_mixture_is_one_composed_adapter_loaded_once_through_the_vllm_contract
 
 def test_a_named_tool_choice_is_forced_through_the_vllm_contract(stack):
     """vLLM completes the prompt it is sent: a call tool_choice requires starts in the prompt."""
-    from test_tool_choice import ticket
+    from test_gateway import retail_ticket
 
     _, outer = stack
-    messages, tools = ticket()
+    messages, tools = retail_ticket()
     body = {
         "model": "SmolLM2-135M-Instruct",
         "messages": messages,
