@@ -14,6 +14,7 @@ Every optimizer step prints ``trained step N``, so a test sees where training re
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from sqlalchemy.engine import Connection
 from transformers import TrainerCallback
 
 import training.executors
+from trace_plugin.environments.base import RewardBreakdown
 from trace_plugin.environments.runner import EpisodeResult
 from trace_plugin.improver import Deployed, Improver, ImproverConfig, Synthesized
 from trace_plugin.recorder import Recorder
@@ -53,9 +55,24 @@ class Steps(TrainerCallback):
         pause("train:checkpoint")  # TRL calls it once the checkpoint is complete
 
 
+def hashed_rewards(env_factory: Callable[[], Any]) -> Callable[[], Any]:
+    """The environment with a reward that differs from answer to answer, so every group
+    has a gradient and the expert is never a no-op the improver would skip: a restart test
+    needs an expert to evaluate and deploy, whatever it learned."""
+
+    def make() -> Any:
+        env = env_factory()
+        env.reward = lambda answer="": RewardBreakdown(
+            int(hashlib.sha256(answer.encode()).hexdigest(), 16) % 1000 / 1000
+        )
+        return env
+
+    return make
+
+
 class ReportingTrainer(ExpertTrainer):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs, callbacks=[Steps()])
+    def __init__(self, config: Any, env_factory: Callable[[], Any], *args: Any, **kwargs: Any) -> None:
+        super().__init__(config, hashed_rewards(env_factory), *args, **kwargs, callbacks=[Steps()])
 
 
 training.executors.ExpertTrainer = ReportingTrainer  # what the local executor trains with

@@ -328,3 +328,32 @@ def test_stage_outputs_survive_the_job_row():
     routing = Routing(router=StaticSpec(adapter=None), gate=GateFit(tasks=2, labels={"base": 2}))
     assert Routing.from_dict(routing.to_dict()) == routing
     assert Routing(StaticSpec()).to_dict() == {"router": {"kind": "static", "adapter": None}}
+
+
+def test_an_expert_no_gradient_reached_is_not_evaluated(sqlite_url, monkeypatch):
+    """A no-op adapter is the base model: the cycle skips it, and ends when nothing is left."""
+    from trace_plugin.improver import Mined, Synthesized, Trained, stages
+
+    store = Store(sqlite_url)
+    store.upgrade()
+    improver = Improver(store, ImproverConfig("a", "http://127.0.0.1:9", store.url))
+    monkeypatch.setattr(stages, "mine", lambda _: Mined(selected=["fmt"], covered=[], train=["fmt"]))
+
+    async def synthesized(capability):
+        return Synthesized(env=f"{capability}-env", version=1, status="validated")
+
+    monkeypatch.setattr(improver, "_synthesize", synthesized)
+    noop = Trained("e1", "/adapters/fmt/e1", [0.0], [0.0], noop=True)
+    monkeypatch.setattr(stages, "train", lambda *_: noop)
+
+    async def routed(experts):
+        raise AssertionError("a cycle of no-op experts routes nothing")
+
+    monkeypatch.setattr(improver, "_route", routed)
+    assert improver.run_once() is None
+    [cycle] = [j for j in store.jobs("a") if j.stage == "cycle"]
+    assert cycle.outputs == {"deployed": None, "reason": "no gradient reached the adapters of ['fmt']"}
+    assert (
+        Trained.from_dict(noop.to_dict()) == noop
+        and not Trained.from_dict({**noop.to_dict(), "noop": False}).noop
+    )

@@ -116,6 +116,7 @@ class Improver:
         agent = self.config.agent
         mined: Mined = await self._job(cycle, "mine", "all", lambda: stages.mine(self))
         experts: dict[str, str] = {}
+        noops: list[str] = []
         for capability in mined.train:
             env: Synthesized = await self._job(
                 cycle, "synthesize", capability, lambda c=capability: self._synthesize(c)
@@ -126,9 +127,13 @@ class Improver:
             trained: Trained = await self._job(
                 cycle, "train", capability, lambda c=capability, e=env: stages.train(self, cycle, c, e)
             )
+            if trained.noop:  # the base model again: evaluating it would change nothing
+                noops.append(capability)
+                continue
             experts[capability] = trained.expert
         if not experts:
-            self._finish(cycle, CycleEnd(deployed=None, reason="nothing to train"))
+            reason = f"no gradient reached the adapters of {noops}" if noops else "nothing to train"
+            self._finish(cycle, CycleEnd(deployed=None, reason=reason))
             return None
         routing: Routing = await self._job(cycle, "route", "all", lambda: self._route(experts))
         scores: Evaluation = await self._job(

@@ -79,6 +79,7 @@ class Trained(Output):
     adapter: str  # its adapter directory
     reward_curve: list[float]
     unhinted_curve: list[float | None] = field(default_factory=list)  # absent from older jobs
+    noop: bool = False  # no gradient reached its adapter: it is the base model
 
 
 @dataclass(frozen=True)

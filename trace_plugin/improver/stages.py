@@ -89,6 +89,7 @@ async def synthesize(improver: Improver, capability: str) -> Synthesized:
 def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> Trained:
     """Train the capability's expert in its environment (the executor may run it elsewhere)."""
     from training.executors import LocalExecutor, TrainingJob
+    from training.lora import is_noop
 
     store, config = improver.store, improver.config
     record = store.env_spec(env.env, env.version)
@@ -130,7 +131,10 @@ def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> 
         improver.console.log(
             f"[yellow]{capability}: the un-hinted reward never rose[/] {expert.unhinted_curve}"
         )
-    return Trained(expert_id, str(output), list(result.reward_curve), list(result.unhinted_curve))
+    noop = is_noop(result.adapter_dir)
+    if noop:
+        improver.console.log(f"[yellow]{capability}: no gradient reached its adapter (the base model)[/]")
+    return Trained(expert_id, str(output), list(result.reward_curve), list(result.unhinted_curve), noop)
 
 
 async def load_candidates(improver: Improver, experts: dict[str, str]) -> dict[str, str]:
