@@ -262,7 +262,10 @@ class Improver:
 
     def spec(self, capability: str, experts: dict[str, str] | None = None) -> EnvSpec:
         """The environment ``capability``'s expert (:meth:`expert_of`) trained in."""
-        expert = self.expert_of(capability, experts)
+        return self.env_of(self.expert_of(capability, experts))
+
+    def env_of(self, expert: Expert) -> EnvSpec:
+        """The environment ``expert`` trained in."""
         record = self.store.env_spec(expert.env_name, expert.env_version)
         if record is None:
             raise ImproverError(f"environment {expert.env_name} v{expert.env_version} is not in the store")

@@ -164,7 +164,7 @@ async def route(improver: Improver, experts: dict[str, str]) -> Routing:
         for capability in adapters:  # each expert's corpus is computed once and kept with it
             expert = improver.expert_of(capability, experts)
             if not expert.corpus:
-                specs = {capability: improver.spec(capability, experts)}
+                specs = {capability: improver.env_of(expert)}
                 expert.corpus = await retrieval_corpus(
                     specs, improver.gateway.embed, CORPUS_SEEDS[: config.corpus_seeds]
                 )
