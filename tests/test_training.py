@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, TrainerCallback
 from trace_plugin.chat_template import render
 from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall
 from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
-from trace_plugin.generation import shared_prefix_length
+from trace_plugin.generation import TemperatureSampler, shared_prefix_length
 from trace_plugin.model_files import prepare_tokenizer, resolve_model
 from training.experts import (
     ADAPTER_WEIGHTS,
@@ -422,6 +422,30 @@ def test_a_batch_shares_its_common_opening_but_each_row_keeps_a_token_to_run():
     assert shared_prefix_length([[1, 2, 3], [1, 2, 3, 4]], min_tokens=2) == 2  # a whole row is never skipped
     assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 3, 4]], min_tokens=2) == 3
     assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 9, 4]], min_tokens=3) == 0  # too short to pay
+
+
+def test_the_temperature_sampler_draws_from_the_tempered_distribution_and_never_a_banned_token():
+    """One uniform per row against the cumulative distribution: the frequencies of 40,000
+    draws match softmax(logits / T) (a chi-square test far from its 1e-6 tail), a banned
+    (-inf) token is never drawn, and the greedy step picks exactly the drawn token."""
+    import torch
+
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.0, float("-inf"), -1.0, 0.5])
+    rows = logits.repeat(40_000, 1)
+    out = TemperatureSampler(0.7)(None, rows)
+    assert (torch.isfinite(out).sum(-1) == 1).all()
+    drawn = out.argmax(-1)
+    counts = torch.bincount(drawn, minlength=6).double()
+    expected = torch.softmax(logits.double() / 0.7, -1) * len(rows)
+    assert counts[3] == 0
+    live = expected > 0
+    chi2 = ((counts[live] - expected[live]) ** 2 / expected[live]).sum().item()
+    assert chi2 < 35.0  # 5 degrees of freedom: P(chi2 > 35) is about 1.5e-6
+    cold = torch.bincount(TemperatureSampler(0.05)(None, rows[:1000]).argmax(-1), minlength=6)
+    assert cold[0] == 1000  # a cold temperature is (all but) greedy
+    with pytest.raises(ValueError, match="positive"):
+        TemperatureSampler(0.0)
 
 
 @pytest.mark.slow

@@ -13,7 +13,9 @@ every row continues from its keys and values:
   with :func:`stacked_cache`;
 - :func:`generate_batch`: ``model.generate`` over the rows' remaining tokens, left-padded
   after the cached prefix (:func:`continuation_batch`), into a preallocated cache
-  (:func:`preallocated`).
+  (:func:`preallocated`);
+- :class:`TemperatureSampler`: plain temperature sampling for ``generate``, cheaper
+  than its own.
 
 Sampling settings, stopping, adapters and gradient mode are the callers'. torch and
 transformers are imported on use, so the pure helpers cost nothing to import.
@@ -126,6 +128,34 @@ def preallocated(model: Any, prefix: Any, length: int) -> Any:
         for layer, (keys, values) in enumerate(layers(prefix)):
             cache.update(keys, values, layer)
     return cache
+
+
+class TemperatureSampler:
+    """Sampling at ``temperature`` as a logits processor, for ``generate`` run greedily.
+
+    ``generate``'s own sampling (``torch.multinomial``) draws an exponential variate for
+    every vocabulary entry of every row: about 3 ms a token for SmolLM2's 49k entries on
+    a CPU, a twentieth of a decode step. One uniform per row against the cumulative
+    distribution draws from the same distribution. It runs after ``generate``'s own
+    processors (banned words) and leaves only the drawn token finite, for the greedy
+    step to pick.
+    """
+
+    def __init__(self, temperature: float) -> None:
+        if not temperature > 0:
+            raise ValueError(f"temperature must be positive, not {temperature!r}")
+        self.temperature = temperature
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        cdf = probs.cumsum(-1)
+        drawn = torch.rand(scores.size(0), 1, device=scores.device) * cdf[:, -1:]
+        token = torch.searchsorted(cdf, drawn, right=True)
+        # A draw rounded up to the total falls past the end: take a token with mass instead.
+        token = torch.where(token < scores.size(-1), token, probs.argmax(-1, keepdim=True))
+        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
 
 
 def generate_batch(

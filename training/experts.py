@@ -55,11 +55,11 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from transformers import GenerationConfig, PrinterCallback, TrainerCallback
+from transformers import GenerationConfig, LogitsProcessorList, PrinterCallback, TrainerCallback
 
 from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE, forbidden_token_ids, render
 from trace_plugin.environments.base import Environment, Task, ToolCall
-from trace_plugin.generation import generate_batch, shared_prefix, until_eos
+from trace_plugin.generation import TemperatureSampler, generate_batch, shared_prefix, until_eos
 from trace_plugin.model_files import load_model, resolve_model
 from trace_plugin.records.outcome import reward_succeeds
 from trace_plugin.tool_calls import parse_completion
@@ -215,14 +215,14 @@ def hf_generate(
     and values (:func:`trace_plugin.generation.shared_prefix`), on the generation core the
     gateway's embedded backend serves requests with.
     """
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bad_words_ids=forbidden_token_ids(tokenizer),  # decode as the gateway serves
-        **(sampling if temperature is not None else {"do_sample": False}),
+        do_sample=False,  # sampling, if any, is TemperatureSampler's
     )
+    sampler = LogitsProcessorList([TemperatureSampler(temperature)] if temperature is not None else [])
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
         out: list[list[int]] = []
@@ -231,7 +231,13 @@ def hf_generate(
             with torch.no_grad():
                 skip, cache = shared_prefix(model, chunk) if share_prefix else (0, None)
                 result, width = generate_batch(
-                    model, chunk, tokenizer.pad_token_id, skip=skip, cache=cache, generation_config=config
+                    model,
+                    chunk,
+                    tokenizer.pad_token_id,
+                    skip=skip,
+                    cache=cache,
+                    generation_config=config,
+                    logits_processor=sampler,
                 )
             out += [until_eos(row[width:].tolist(), tokenizer.eos_token_id) for row in result]
         return out
