@@ -20,7 +20,11 @@ Side by side in one run, on the embedded SmolLM2-135M (CPU):
   greedy tokens compared;
 - the stall a stop list causes: a ``max_tokens: 1`` request with the longest stop list the
   gateway accepts, new strings each time (as a hostile client would send), against the same
-  request without one, alternating.
+  request without one, alternating;
+- the time to the first streamed token against the time to the whole streamed reply (96
+  tokens, ``min_tokens`` keeping it that long), both from sending: the support agent's
+  prompt (policy, tools, worked examples, a ticket) with its opening in the prefix cache,
+  greedy, served by the base model (no router at work).
 
 Usage: python bench/gateway.py [--quick]
 """
@@ -221,6 +225,39 @@ def stop_list_stall(url: str, model: str, rounds: int) -> tuple[float, float]:
     return times[False] / rounds, times[True] / rounds
 
 
+def time_to_first_token(url: str, model: str, rounds: int) -> tuple[float, float]:
+    """Mean seconds from sending a streamed support-agent request to its first content or
+    tool-call delta, and to its last chunk; a first request warms the prefix cache."""
+    from langchain_core.messages import convert_to_openai_messages
+
+    from examples.support_agent.agent import few_shot_messages
+
+    env = RetailEnv()
+    examples = convert_to_openai_messages(few_shot_messages())
+    first, full = 0.0, 0.0
+    for seed in list(TEST_SEEDS)[: rounds + 1]:
+        messages = [{"role": "system", "content": env.system_prompt}, *examples]
+        messages.append({"role": "user", "content": env.reset(seed).prompt})
+        body = {"model": model, "messages": messages, "tools": TOOLS, "temperature": 0, "stream": True}
+        body |= {"max_tokens": 96, "min_tokens": 96}
+        start, seen = time.perf_counter(), None
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as response:
+            for line in response.raise_for_status().iter_lines():
+                delta = _delta(line)
+                if seen is None and (delta.get("content") or delta.get("tool_calls")):
+                    seen = time.perf_counter() - start
+        if seed != TEST_SEEDS[0]:  # the first one filled the cache
+            first, full = first + (seen or 0.0), full + time.perf_counter() - start
+    return first / rounds, full / rounds
+
+
+def _delta(line: str) -> dict[str, Any]:
+    if not line.startswith("data: {"):
+        return {}
+    choices = json.loads(line[len("data: ") :]).get("choices") or [{}]
+    return choices[0].get("delta") or {}
+
+
 def tickets_tokens_per_s(url: str, model: str, max_tokens: int) -> tuple[float, list[list[int]]]:
     """Tokens/s of four support tickets asked at once (one batch), and each reply's tokens."""
 
@@ -363,6 +400,7 @@ def main() -> None:
             mixture_ratio = mixture_cost(server.url, "refunds", "refunds:0.5,returns:0.5", rounds, max_tokens)
             failed, served = swap_under_load(server.url, "refunds@2", "refunds/2", 8, per_client)
             no_stops_s, stops_s = stop_list_stall(server.url, backend.model_id, stop_rounds)
+            ttft_s, streamed_s = time_to_first_token(server.url, "base", rounds)
             classifier_frac = classifier_routing(app, backend, server.url, route_requests // 2, max_tokens)
         recorder.close()
 
@@ -391,6 +429,9 @@ def main() -> None:
     table.add_row("max_tokens=1 request, no stop list", f"{no_stops_s:.3f} s", "")
     table.add_row(f"max_tokens=1 request, {MAX_STOPS} new stop strings", f"{stops_s:.3f} s", "")
     table.add_row("stop list stall ratio", f"{stops_s / no_stops_s:.2f}×", "≈ 1")
+    table.add_row("streamed agent request: first token", f"{ttft_s:.3f} s", "")
+    table.add_row("streamed agent request: all 96 tokens", f"{streamed_s:.3f} s", "")
+    table.add_row("time to first token ÷ whole reply", f"{ttft_s / streamed_s:.3f}", "≤ 0.2")
     if precision is not None:
         table.add_row("4 tickets at once, float32 tokens/s", f"{precision['float32']:.1f}", "")
         table.add_row("4 tickets at once, bf16 tokens/s", f"{precision['bfloat16']:.1f}", "")
@@ -418,6 +459,8 @@ def main() -> None:
                 "expert_batch_cost_ratio": round(batch_s["expert"] / batch_s["base"], 3),
                 "single_adapter_speedup": round(batch_s["mixed_split"] / batch_s["expert"], 3),
                 "stop_list_stall_ratio": round(stops_s / no_stops_s, 3),
+                "ttft_s": round(ttft_s, 3),
+                "ttft_ratio": round(ttft_s / streamed_s, 3),
                 "bf16_tokens_per_s_ratio": round(precision["bfloat16"] / precision["float32"], 3)
                 if precision
                 else None,

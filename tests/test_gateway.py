@@ -179,7 +179,7 @@ def test_streaming_and_completions(client, backend):
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == greedy(client, backend.model_id, "Say hello.", max_tokens=8).choices[0].message.content
-    assert chunks[-1].usage is not None or chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")  # more in test_streaming.py
     completion = client.completions.create(
         model=backend.model_id, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=True
     )

@@ -11,7 +11,7 @@ import json
 import select
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from trace_plugin import Recorder
 from trace_plugin.gateway.app import GatewayConfig, create_app
-from trace_plugin.gateway.backend import Completion, SamplingParams
+from trace_plugin.gateway.backend import Completion, Delta, Finished, SamplingParams
 from trace_plugin.gateway.server import start_in_thread
 from trace_plugin.gateway.stops import StopMatcher
 from trace_plugin.model_files import prepare_tokenizer, resolve_model
@@ -33,6 +33,7 @@ class ScriptedBackend:
 
     model_id = "scripted"
     max_lora_rank = 64
+    structured_output = False
 
     def __init__(self, tokenizer: Any, reply: str = "All done.") -> None:
         self.tokenizer, self.reply = tokenizer, reply
@@ -46,6 +47,18 @@ class ScriptedBackend:
     async def generate(self, prompt: str, params: SamplingParams, adapter: str | None) -> list[Completion]:
         self.prompts.append(prompt)
         return [Completion(self.reply, [1, 2, 3], "stop", [4, 5]) for _ in range(params.n)]
+
+    async def stream(self, prompt: str, params: SamplingParams, adapter: str | None) -> AsyncIterator[Any]:
+        """The reply a few characters at a time, per completion."""
+        completions = await self.generate(prompt, params, adapter)
+
+        async def events() -> AsyncIterator[Any]:
+            for index, completion in enumerate(completions):
+                for start in range(0, len(completion.text), 3):
+                    yield Delta(index, completion.text[start : start + 3])
+                yield Finished(index, completion)
+
+        return events()
 
     async def embed(self, texts: list[str]) -> list[list[float]]:
         return [[1.0, 0.0] for _ in texts]
@@ -283,13 +296,13 @@ def test_stop_matcher_finds_what_a_scan_of_every_string_finds():
 def test_the_embedded_stop_criterion_stops_rows_at_the_token_completing_a_stop(tokenizer):
     import torch
 
-    from trace_plugin.gateway.embedded import StopStrings
+    from trace_plugin.gateway.embedded import RowWatch
 
     text = "Thought: I should look up é and 日本. Observation: found it. Done."
     ids = tokenizer(text, add_special_tokens=False).input_ids
 
     def run(stops: StopMatcher) -> list[int | None]:
-        criterion = StopStrings(stops, tokenizer, 2)
+        criterion = RowWatch(tokenizer, 2, stops)
         stopped: list[int | None] = [None, None]
         for i in range(len(ids)):
             rows = torch.tensor([ids[: i + 1], [ids[0]] * (i + 1)])  # row 1 never stops

@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from chat import chat as served
+from fastapi import FastAPI, Request
 from load import swap_under_load
 from openai import OpenAI
 
@@ -153,6 +154,58 @@ def test_a_named_tool_choice_is_forced_through_the_vllm_contract(stack):
     assert [c["function"]["name"] for c in calls] == ["find_user"]
 
 
+async def test_the_vllm_backend_streams_deltas_then_each_whole_completion(stack):
+    """vLLM's stream (text and token ids per chunk) becomes our deltas, then the same
+    completion ``generate`` returns."""
+    from trace_plugin.gateway.backend import Delta, Finished, SamplingParams
+
+    inner, _ = stack
+    backend = VLLMBackend(inner.url)
+    prompt = backend.render([{"role": "user", "content": "Tell me about the sea."}], None)
+    params = SamplingParams(max_tokens=24)
+    [whole] = await backend.generate(prompt, params, None)
+    events = [event async for event in await backend.stream(prompt, params, None)]
+    deltas = [e.text for e in events if isinstance(e, Delta)]
+    [finished] = [e for e in events if isinstance(e, Finished)]
+    assert len(deltas) >= 10 and "".join(deltas) == whole.text == finished.completion.text
+    assert finished.completion.token_ids == whole.token_ids
+    assert finished.completion.prompt_token_ids == whole.prompt_token_ids
+    with pytest.raises(BackendError) as refused:  # refused before anything streams: a status code
+        await backend.stream(prompt, params, "no-such-adapter")
+    assert refused.value.status == 404
+    await backend.close()
+
+
+def test_a_stream_through_the_vllm_backend_and_a_client_that_leaves_it(stack):
+    """Through our gateway on vLLM, chunks arrive as vLLM generates them; a client that
+    hangs up closes the connection to vLLM, whose generation of that row stops."""
+    import time
+
+    from test_streaming import _content
+
+    inner, outer = stack
+    ask = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 24}
+    ask["messages"] = [{"role": "user", "content": "Tell me about the sea."}]
+    whole = chat(outer.url, ask["model"], "Tell me about the sea.", max_tokens=24)
+    with httpx.stream(
+        "POST", f"{outer.url}/v1/chat/completions", json={**ask, "stream": True}, timeout=120
+    ) as r:
+        pieces = [_content(line) for line in r.iter_lines()]
+    assert len([p for p in pieces if p]) >= 10
+    assert "".join(pieces) == whole["choices"][0]["message"]["content"]
+    vllm = inner.server.config.app.state.backend
+    before = vllm.cancelled_rows
+    story = {**ask, "max_tokens": 400, "stream": True}
+    story["messages"] = [{"role": "user", "content": "Write a very long story about a lighthouse."}]
+    with httpx.stream("POST", f"{outer.url}/v1/chat/completions", json=story, timeout=120) as r:
+        next(line for line in r.iter_lines() if _content(line))
+    for _ in range(100):  # the hang-up travels through two servers
+        if vllm.cancelled_rows > before:
+            break
+        time.sleep(0.1)
+    assert vllm.cancelled_rows == before + 1
+
+
 def test_a_learned_gate_routes_through_the_vllm_contract(stack):
     """The gate reads the base model's embeddings from vLLM's /v1/embeddings and weighs the
     adapters per layer, through the outer gateway."""
@@ -229,3 +282,46 @@ def test_a_dead_vllm_is_a_clear_502_and_the_gateway_keeps_serving(tmp_path):
         )
         assert r.status_code == 502 and "unreachable" in r.json()["error"]["message"]
         assert httpx.get(f"{outer.url}/health").status_code == 200
+
+
+def test_a_json_response_format_goes_to_vllms_structured_outputs(tmp_path):
+    """vLLM holds a reply to JSON (its structured outputs) when a completions request carries
+    ``response_format``: the gateway hands a client's on as sent, and so streams it too. (The
+    embedded backend, which cannot, refuses it: tests/test_tool_choice.py.)"""
+    sent: list[dict] = []
+    vllm = FastAPI()
+
+    @vllm.get("/v1/models")
+    async def models() -> dict:
+        return {"data": [{"id": "fake-base", "parent": None}]}
+
+    @vllm.post("/v1/completions")
+    async def completions(request: Request) -> dict:
+        sent.append(await request.json())
+        return {"choices": [{"index": 0, "text": '{"answer": 4}', "finish_reason": "stop", "token_ids": [7]}]}
+
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    formats = [
+        {"type": "json_schema", "json_schema": {"name": "sum", "schema": schema}},
+        {"type": "json_object"},
+    ]
+    with start_in_thread(vllm) as server:
+        backend = VLLMBackend(server.url)
+        with start_in_thread(
+            create_app(backend, config=GatewayConfig(adapter_root=tmp_path, record=False))
+        ) as outer:
+            for response_format in formats:
+                body = {"model": "fake-base", "messages": [{"role": "user", "content": "2 + 2?"}]}
+                r = httpx.post(
+                    f"{outer.url}/v1/chat/completions", json={**body, "response_format": response_format}
+                )
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["message"]["content"] == '{"answer": 4}'
+                assert sent[-1]["response_format"] == response_format
+            r = httpx.post(
+                f"{outer.url}/v1/completions", json={"model": "fake-base", "prompt": "x", "min_tokens": 5}
+            )
+            assert r.status_code == 200 and sent[-1]["min_tokens"] == 5  # vLLM's own parameter, passed on
+            bad = {"type": "json_schema"}  # no schema
+            r = httpx.post(f"{outer.url}/v1/chat/completions", json={**body, "response_format": bad})
+            assert r.status_code == 400 and len(sent) == 3

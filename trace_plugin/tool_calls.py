@@ -111,3 +111,146 @@ def _parse_block(block: str) -> tuple[list[dict[str, Any]], str | None]:
             }
         )
     return calls, None
+
+
+# -- streaming -----------------------------------------------------------------------------------
+
+# A call's opening up to its arguments object, name first (the template's order): from there the
+# arguments can be sent as they are written. A call of any other shape is sent whole once it closes.
+_CALL_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)', re.DOTALL
+)
+
+
+class ReplyStream:
+    """A reply's text, fed as it is generated, as OpenAI chat-completion chunk deltas.
+
+    Content streams as it comes, up to a tool call's opening tag (text that may begin one,
+    and trailing whitespace, wait). A call's first delta carries its id and name as soon
+    as the name is written, then its arguments object follows in fragments as they are
+    written; a call of another shape goes out whole when it closes. :meth:`finish` takes
+    the parse of the whole reply (:func:`parse_completion`: what the non-streamed response
+    holds and capture records) and sends what the stream has not: calls still unsent or,
+    for markup that did not parse after all, the text as content.
+    """
+
+    def __init__(self, opening: str = "", *, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
+        self.seen = ""  # every character fed, the forced opening first
+        self.content = ""  # content sent so far
+        self.ids: list[str] = []  # the ids of the calls sent so far
+        self._pending = ""  # text read but not yet sent or passed over
+        self._state = "content"  # or "head" (a call before its arguments), "arguments", "tail"
+        self._scan = (0, False, False)  # in the arguments: nesting depth, in a string, after a backslash
+        self._owed: list[dict[str, Any]] = []
+        self._owed = self.feed(opening)  # a named forced call's first delta, sent with the first text
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        self.seen += text
+        self._pending += text
+        deltas, self._owed = self._owed, []
+        if self.max_calls == 0:  # no calls (tool_choice "none"): all of it is content
+            self._send_content(self._pending, deltas)
+            self._pending = ""
+            return deltas
+        while self._advance(deltas):
+            pass
+        return deltas
+
+    def finish(self, parsed: ParsedCompletion, reply: str) -> list[dict[str, Any]]:
+        """The deltas still owed once the whole ``reply`` (the opening included) parsed as
+        ``parsed``. The calls already sent keep their ids in ``parsed``, so that what is
+        recorded is what the client assembled."""
+        deltas = self.feed(reply[len(self.seen) :]) if reply.startswith(self.seen) else []
+        if parsed.tool_calls:
+            for call, sent in zip(parsed.tool_calls, self.ids, strict=False):
+                call["id"] = sent
+            for call in parsed.tool_calls[len(self.ids) :]:
+                self._send_call(call, deltas)
+            return deltas
+        content = parsed.content or ""
+        rest = content[len(self.content) :] if content.startswith(self.content) else content
+        self._send_content(rest, deltas)
+        return deltas
+
+    def _advance(self, deltas: list[dict[str, Any]]) -> bool:
+        """Send what the pending text allows; True when the state changed (read on)."""
+        pending = self._pending
+        if self._state == "content":
+            at = pending.find(OPEN)
+            if at < 0:
+                ready = pending[: len(pending) - _partial(pending, OPEN)].rstrip()
+                self._send_content(ready, deltas)
+                self._pending = pending[len(ready) :]
+                return False
+            self._send_content(pending[:at].rstrip(), deltas)
+            self._pending, self._state = pending[at + len(OPEN) :], "head"
+            if self.max_calls is not None and len(self.ids) >= self.max_calls:
+                self._state = "tail"  # calls past the limit are dropped, as parse_completion drops them
+            return True
+        if self._state == "head":
+            head = _CALL_HEAD.match(pending)
+            if head is not None:
+                name = json.loads(f'"{head.group(1)}"')
+                self._send_call({"type": "function", "function": {"name": name, "arguments": ""}}, deltas)
+                self._pending, self._state, self._scan = pending[head.end() :], "arguments", (0, False, False)
+                return True
+            close = pending.find(CLOSE)
+            if close < 0:
+                return False
+            calls, error = _parse_block(pending[:close])
+            limit = None if self.max_calls is None else self.max_calls - len(self.ids)
+            for call in calls[:limit] if error is None else ():
+                self._send_call(call, deltas)
+            self._pending, self._state = pending[close + len(CLOSE) :], "content"
+            return True
+        if self._state == "arguments":
+            end = self._arguments_end(pending)
+            sent = pending if end is None else pending[:end]
+            if sent:
+                deltas.append({"tool_calls": [{"index": len(self.ids) - 1, "function": {"arguments": sent}}]})
+            if end is None:
+                self._pending = ""
+                return False
+            self._pending, self._state = pending[end:], "tail"
+            return True
+        close = pending.find(CLOSE)  # the tail: the call's closing brace and tag, passed over
+        if close < 0:
+            return False
+        self._pending, self._state = pending[close + len(CLOSE) :], "content"
+        return True
+
+    def _arguments_end(self, text: str) -> int | None:
+        """Where the arguments object closes in ``text`` (continuing the scan so far)."""
+        depth, in_string, escaped = self._scan
+        for i, char in enumerate(text):
+            if in_string:
+                in_string, escaped = (True, False) if escaped else (char != '"', char == "\\")
+            elif char == '"':
+                in_string = True
+            elif char in "{[":
+                depth += 1
+            elif char in "}]":
+                depth -= 1
+                if depth == 0:
+                    return i + 1
+        self._scan = (depth, in_string, escaped)
+        return None
+
+    def _send_call(self, call: dict[str, Any], deltas: list[dict[str, Any]]) -> None:
+        call = {**call, "id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}"}
+        deltas.append({"tool_calls": [{"index": len(self.ids), **call}]})
+        self.ids.append(call["id"])
+
+    def _send_content(self, text: str, deltas: list[dict[str, Any]]) -> None:
+        if text:
+            deltas.append({"content": text})
+            self.content += text
+
+
+def _partial(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0

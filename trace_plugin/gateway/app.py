@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -31,7 +32,7 @@ from trace_plugin.chat_template import REPLY_FORBIDDEN
 from trace_plugin.conversations import ConversationEpisodes, ModelCall, fingerprint
 from trace_plugin.errors import TracePluginError
 from trace_plugin.gateway.adapters import AdapterError, AdapterRegistry
-from trace_plugin.gateway.backend import Backend, BackendError, Completion, SamplingParams
+from trace_plugin.gateway.backend import Backend, BackendError, Completion, Delta, SamplingParams, StreamEvent
 from trace_plugin.gateway.protocol import (
     MAX_EPISODE_ID,
     ChatCompletionRequest,
@@ -51,7 +52,15 @@ from trace_plugin.gateway.routing import (
 from trace_plugin.recorder import Recorder
 from trace_plugin.records.mixture import Mixture
 from trace_plugin.records.trajectory import check_agent_name, utcnow
-from trace_plugin.tool_calls import CLOSE, OPEN, forced_opening, forced_reply, parse_completion
+from trace_plugin.tool_calls import (
+    CLOSE,
+    OPEN,
+    ParsedCompletion,
+    ReplyStream,
+    forced_opening,
+    forced_reply,
+    parse_completion,
+)
 from trace_plugin.tracer import Tracer
 
 EPISODE_HEADER = "X-Trace-Episode"
@@ -211,23 +220,43 @@ def create_app(
             return choice.restricted(registry.listing()), router_version(router.spec)
         raise GatewayError(404, f"model {model!r} does not exist", "invalid_request_error", "model_not_found")
 
-    async def generate(
-        prompt: str, params: SamplingParams, mixture: Mixture
-    ) -> tuple[list[Completion], str | None]:
-        """The completions, and the label of what served them (None: the base model)."""
+    async def acquire(mixture: Mixture) -> tuple[str | None, str | None]:
+        """The backend's name for ``mixture`` (None: the base model), held until released,
+        and the label of what serves it (None: the base model)."""
         try:
             full, served = await registry.acquire_mixture(mixture)
         except AdapterError as exc:
             raise GatewayError(exc.status, str(exc)) from exc
+        return full, served.label() or None
+
+    def release(full: str | None) -> None:
+        if full:
+            registry.release(full)
+
+    async def generate(
+        prompt: str, params: SamplingParams, mixture: Mixture
+    ) -> tuple[list[Completion], str | None]:
+        """The completions, and the label of what served them (None: the base model)."""
+        full, served = await acquire(mixture)
         try:
-            return await backend.generate(prompt, params, full), served.label() or None
+            return await backend.generate(prompt, params, full), served
         except BackendError as exc:
-            raise GatewayError(
-                exc.status, str(exc), "server_error" if exc.status >= 500 else "invalid_request_error"
-            ) from exc
+            raise _gateway_error_of(exc) from exc
         finally:
-            if full:
-                registry.release(full)
+            release(full)
+
+    async def open_stream(
+        prompt: str, params: SamplingParams, mixture: Mixture
+    ) -> tuple[AsyncIterator[StreamEvent], str | None, str | None]:
+        """The backend's stream, the name its adapters are held under (release it when the
+        stream ends) and the label of what serves it. A request that cannot be served fails
+        here, while it can still get its status code."""
+        full, served = await acquire(mixture)
+        try:
+            return await backend.stream(prompt, params, full), full, served
+        except BackendError as exc:
+            release(full)
+            raise _gateway_error_of(exc) from exc
 
     def trace_ids(
         request: Request, body: ChatCompletionRequest | CompletionRequest
@@ -257,24 +286,43 @@ def create_app(
         forbidden = (*REPLY_FORBIDDEN, *((OPEN[:-1],) if body.tool_choice == "none" else ()))
         opening = forced_opening(body.forced_call())
         params = _sampling(body, body.max_completion_tokens or body.max_tokens, forbidden=forbidden)
+        if body.response_format is not None and body.response_format.type != "text":
+            if not backend.structured_output:
+                raise GatewayError(
+                    400,
+                    f"response_format {body.response_format.type} needs decoding held to JSON, which this "
+                    "backend does not do; serve through vLLM (trace-plugin serve --vllm-url)",
+                )
+            params = replace(params, response_format=body.response_format.constrained())
         if opening:
             params = replace(params, stop=(*params.stop, CLOSE))
         try:
             prompt = backend.render(messages, tools) + opening
         except Exception as exc:  # a template that cannot render these messages
             raise GatewayError(400, f"cannot render the conversation: {exc}") from exc
+        call = ModelCall(
+            agent=agent,
+            messages=messages,
+            model=backend.model_id,
+            tools=tools,
+            episode_id=episode,
+            router=router,
+            started_at=started,
+        )
+        if body.stream:
+            events, held, served = await open_stream(prompt, params, adapter)
+            chunks = chat_chunks(body, replace(call, adapter=served), events, held, opening, t0)
+            headers = {ADAPTER_HEADER: served or "", **({EPISODE_HEADER: episode} if episode else {})}
+            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
         completions, served = await generate(prompt, params, adapter)
         choices = []
         for i, c in enumerate(completions):
-            parsed = parse_completion(
-                forced_reply(opening, c.text, stopped=c.finish_reason == "stop"),
-                truncated=c.finish_reason == "length",
-                max_calls=body.max_calls(),
-            )
-            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
-            if parsed.tool_calls:
-                message["tool_calls"] = parsed.tool_calls
-            choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": parsed.finish_reason}
+            parsed = parse_reply(body, opening, c)
+            choice: dict[str, Any] = {
+                "index": i,
+                "message": _message(parsed),
+                "finish_reason": parsed.finish_reason,
+            }
             if body.logprobs:
                 choice["logprobs"] = _logprobs(backend, c)
             if body.return_token_ids:
@@ -287,26 +335,86 @@ def create_app(
             response["prompt_token_ids"] = completions[0].prompt_token_ids
         episode_id = None
         if config.record:
+            replies = [c["message"] for c in choices]
             episode_id = record_call(
-                ModelCall(
-                    agent=agent,
-                    messages=messages,
-                    model=backend.model_id,
-                    tools=tools,
-                    episode_id=episode,
-                    adapter=served,
-                    router=router,
-                    started_at=started,
-                ),
-                [c["message"] for c in choices],
-                completions,
-                body.return_token_ids,
-                t0,
+                replace(call, adapter=served), replies, completions, body.return_token_ids, t0
             )
         headers = {ADAPTER_HEADER: served or "", **({EPISODE_HEADER: episode_id} if episode_id else {})}
-        if body.stream:
-            return StreamingResponse(_stream_chat(response), media_type="text/event-stream", headers=headers)
         return JSONResponse(response, headers=headers)
+
+    def parse_reply(body: ChatCompletionRequest, opening: str, completion: Completion) -> ParsedCompletion:
+        return parse_completion(
+            forced_reply(opening, completion.text, stopped=completion.finish_reason == "stop"),
+            truncated=completion.finish_reason == "length",
+            max_calls=body.max_calls(),
+        )
+
+    async def chat_chunks(
+        body: ChatCompletionRequest,
+        call: ModelCall,
+        events: AsyncIterator[StreamEvent],
+        held: str | None,
+        opening: str,
+        t0: float,
+    ) -> AsyncIterator[str]:
+        """The reply's chunks as they are generated (:class:`ReplyStream`); once the stream
+        ends, the call is recorded as a non-streamed one would be, or as cancelled if the
+        client left before the end."""
+        n = body.n
+        base = _chunk_base("chat.completion.chunk", call.adapter or backend.model_id, call)
+        readers = [ReplyStream(opening, max_calls=body.max_calls()) for _ in range(n)]
+        completions: list[Completion | None] = [None] * n
+        replies: list[dict[str, Any]] = [{"role": "assistant", "content": None} for _ in range(n)]
+
+        def chunk(index: int, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+            return _sse(
+                base | {"choices": [{"index": index, "delta": delta, "finish_reason": finish, **extra}]}
+            )
+
+        recorded = False
+        try:
+            for index in range(n):
+                yield chunk(index, {"role": "assistant", "content": ""})
+            async for event in events:
+                index = event.index
+                if isinstance(event, Delta):
+                    for delta in readers[index].feed(event.text):
+                        yield chunk(index, delta)
+                    continue
+                completion = completions[index] = event.completion
+                parsed = parse_reply(body, opening, completion)
+                reply = forced_reply(opening, completion.text, stopped=completion.finish_reason == "stop")
+                for delta in readers[index].finish(parsed, reply):
+                    yield chunk(index, delta)
+                replies[index] = _message(parsed)
+                extra: dict[str, Any] = {}
+                if body.logprobs:
+                    extra["logprobs"] = _logprobs(backend, completion)
+                if body.return_token_ids:
+                    extra["token_ids"] = completion.token_ids
+                yield chunk(index, {}, parsed.finish_reason, **extra)
+            finished = [c for c in completions if c is not None]
+            if config.record:  # before [DONE]: a client that reads to the end finds it recorded
+                if len(finished) == n:
+                    record_call(call, replies, finished, body.return_token_ids, t0)
+                else:
+                    record_unfinished(call, [r.seen for r in readers], t0, "the backend's stream ended early")
+            recorded = True
+            if body.streams_usage():
+                yield _sse(base | {"choices": [], "usage": _usage(finished)})
+            yield _sse("[DONE]")
+        except BackendError as exc:  # after the status line went out: an error event, as vLLM sends
+            error = _gateway_error_of(exc)
+            if config.record:
+                record_unfinished(call, [r.seen for r in readers], t0, error.message)
+            recorded = True
+            yield _sse({"error": {"message": error.message, "type": error.type, "param": None, "code": None}})
+        finally:
+            release(held)
+            with anyio.CancelScope(shield=True):  # the client's disconnect may be cancelling us
+                await events.aclose()  # type: ignore[attr-defined]
+            if config.record and not recorded:
+                record_unfinished(call, [r.seen for r in readers], t0, CANCELLED)
 
     def record_call(
         call: ModelCall,
@@ -335,20 +443,53 @@ def create_app(
             )
         )
 
+    def record_unfinished(call: ModelCall, texts: list[str], t0: float, error: str) -> None:
+        """A stream that ended before its reply did (its client left, or the backend failed):
+        a step with the text generated by then, and why it ended."""
+        partial = [{"role": "assistant", "content": text} for text in texts]
+        episodes.record(
+            replace(
+                call,
+                output=partial[0] if len(partial) == 1 else {"choices": partial},
+                error=error,
+                latency_ms=(time.perf_counter() - t0) * 1000,
+            )
+        )
+
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Any:
         agent, episode = trace_ids(request, body)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         adapter, router = await select(body.model, [{"role": "user", "content": prompts[0]}], None)
         params = replace(_sampling(body, body.max_tokens or 16), top_logprobs=body.logprobs or 0)
+
+        def call_of(prompt: str, served: str | None) -> ModelCall:
+            """A step per prompt, its input the prompt itself; grouped into episodes as the
+            user turn the router read it as."""
+            return ModelCall(
+                agent=agent,
+                messages=[{"role": "user", "content": prompt}],
+                model=backend.model_id,
+                input={"prompt": prompt},
+                episode_id=episode,
+                adapter=served,
+                router=router,
+                started_at=utcnow(),
+            )
+
+        if body.stream:
+            first = await open_stream(prompts[0], params, adapter)
+            chunks = completion_chunks(body, prompts, params, adapter, first, call_of)
+            headers = {ADAPTER_HEADER: first[2] or "", **({EPISODE_HEADER: episode} if episode else {})}
+            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
         results: list[Completion] = []
         served = None
-        calls: list[tuple[str, Any, float, list[Completion]]] = []  # prompt, start, its timer, outputs
+        calls: list[tuple[ModelCall, float, list[Completion]]] = []  # the call, its timer, its outputs
         for prompt in prompts:
-            started, t0 = utcnow(), time.perf_counter()
+            call, t0 = call_of(prompt, None), time.perf_counter()
             outs, served = await generate(prompt, params, adapter)
             results.extend(outs)
-            calls.append((prompt, started, t0, outs))
+            calls.append((replace(call, adapter=served), t0, outs))
         choices = []
         for i, c in enumerate(results):
             choice: dict[str, Any] = {
@@ -365,29 +506,96 @@ def create_app(
             "text_completion", served or backend.model_id, choices, results, fingerprint(router, served)
         )
         recorded: set[str] = set()
-        for prompt, started, t0, outs in calls if config.record else ():
-            # A step per prompt, its input the prompt itself; grouped into episodes as the
-            # user turn the router read it as.
-            call = ModelCall(
-                agent=agent,
-                messages=[{"role": "user", "content": prompt}],
-                model=backend.model_id,
-                input={"prompt": prompt},
-                episode_id=episode,
-                adapter=served,
-                router=router,
-                started_at=started,
-            )
+        for call, t0, outs in calls if config.record else ():
             replies = [{"role": "assistant", "content": c.text} for c in outs]
             recorded.add(record_call(call, replies, outs, body.return_token_ids, t0))
         headers = {ADAPTER_HEADER: served or ""}
         if len(recorded) == 1:
             headers[EPISODE_HEADER] = recorded.pop()
-        if body.stream:
-            return StreamingResponse(
-                _stream_completion(response), media_type="text/event-stream", headers=headers
-            )
         return JSONResponse(response, headers=headers)
+
+    async def completion_chunks(
+        body: CompletionRequest,
+        prompts: list[str],
+        params: SamplingParams,
+        mixture: Mixture,
+        first: tuple[AsyncIterator[StreamEvent], str | None, str | None],
+        call_of: Callable[[str, str | None], ModelCall],
+    ) -> AsyncIterator[str]:
+        """Each prompt's completions as they are generated, prompt after prompt."""
+        finished: list[Completion] = []
+        try:
+            for number, prompt in enumerate(prompts):
+                stream = first if number == 0 else await open_stream(prompt, params, mixture)
+                call = call_of(prompt, stream[2])
+                async for chunk in prompt_chunks(body, number * params.n, call, stream, finished):
+                    yield chunk
+            if body.streams_usage():
+                base = _chunk_base("text_completion", first[2] or backend.model_id, call_of("", first[2]))
+                yield _sse(base | {"choices": [], "usage": _usage(finished)})
+            yield _sse("[DONE]")
+        except (BackendError, GatewayError) as exc:
+            error = exc if isinstance(exc, GatewayError) else _gateway_error_of(exc)
+            yield _sse({"error": {"message": error.message, "type": error.type, "param": None, "code": None}})
+
+    async def prompt_chunks(
+        body: CompletionRequest,
+        first_index: int,
+        call: ModelCall,
+        stream: tuple[AsyncIterator[StreamEvent], str | None, str | None],
+        finished: list[Completion],
+    ) -> AsyncIterator[str]:
+        """One prompt's chunks (choices numbered from ``first_index``); its call is recorded
+        when its stream ends, as cancelled if the client left before."""
+        events, held, served = stream
+        t0, prompt = time.perf_counter(), call.messages[0]["content"]
+        base = _chunk_base("text_completion", served or backend.model_id, call)
+        texts, done = [""] * body.n, [None] * body.n
+        recorded = False
+
+        def chunk(index: int, text: str, finish: str | None = None, **extra: Any) -> str:
+            choice = {"index": first_index + index, "text": text, "logprobs": None, "finish_reason": finish}
+            return _sse(base | {"choices": [choice | extra]})
+
+        try:
+            for index in range(body.n) if body.echo else ():
+                yield chunk(index, prompt)
+            async for event in events:
+                if isinstance(event, Delta):
+                    texts[event.index] += event.text
+                    yield chunk(event.index, event.text)
+                    continue
+                completion = done[event.index] = event.completion
+                sent = texts[event.index]
+                tail = completion.text[len(sent) :] if completion.text.startswith(sent) else ""
+                extra: dict[str, Any] = {}
+                if body.wants_logprobs():
+                    extra["logprobs"] = _legacy_logprobs(backend, completion)
+                if body.return_token_ids:  # vLLM sends them per chunk; all at the end is the same sum
+                    extra |= {
+                        "token_ids": completion.token_ids,
+                        "prompt_token_ids": completion.prompt_token_ids,
+                    }
+                yield chunk(event.index, tail, completion.finish_reason, **extra)
+            complete = [c for c in done if c is not None]
+            finished += complete
+            if config.record and len(complete) == body.n:
+                replies = [{"role": "assistant", "content": c.text} for c in complete]
+                record_call(call, replies, complete, body.return_token_ids, t0)
+            elif config.record:
+                record_unfinished(call, texts, t0, "the backend's stream ended early")
+            recorded = True
+        except BackendError as exc:
+            if config.record:
+                record_unfinished(call, texts, t0, _gateway_error_of(exc).message)
+            recorded = True
+            raise
+        finally:
+            release(held)
+            with anyio.CancelScope(shield=True):
+                await events.aclose()  # type: ignore[attr-defined]
+            if config.record and not recorded:
+                record_unfinished(call, texts, t0, CANCELLED)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
@@ -487,6 +695,7 @@ def create_app(
 
 
 ROUTER_PREFIX = "router:"
+CANCELLED = "cancelled: the client disconnected before the reply was complete"
 BASE_MODEL = "base"  # the base model itself, whatever the router would choose
 
 
@@ -537,8 +746,11 @@ def _is_loopback(host: str) -> bool:
 
 
 def _sampling(body: Any, max_tokens: int | None, forbidden: tuple[str, ...] = ()) -> SamplingParams:
+    if body.min_tokens > (max_tokens or 256):
+        raise GatewayError(400, f"min_tokens ({body.min_tokens}) is over max_tokens ({max_tokens or 256})")
     return SamplingParams(
         max_tokens=max_tokens or 256,
+        min_tokens=body.min_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         n=body.n,
@@ -556,8 +768,6 @@ def _envelope(
     completions: list[Completion],
     system_fingerprint: str,
 ) -> dict[str, Any]:
-    prompt_tokens = len(completions[0].prompt_token_ids) if completions else 0
-    completion_tokens = sum(len(c.token_ids) for c in completions)
     prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
     return {
         "id": f"{prefix}-{uuid.uuid4().hex}",
@@ -566,11 +776,17 @@ def _envelope(
         "model": model,
         "system_fingerprint": system_fingerprint,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+        "usage": _usage(completions),
+    }
+
+
+def _usage(completions: list[Completion]) -> dict[str, int]:
+    prompt_tokens = len(completions[0].prompt_token_ids) if completions else 0
+    completion_tokens = sum(len(c.token_ids) for c in completions)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 
@@ -604,36 +820,26 @@ def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def _stream_chat(response: dict[str, Any]) -> AsyncIterator[str]:
-    """The finished response as OpenAI stream chunks: role, content, tool calls, finish."""
-    base = {k: response[k] for k in ("id", "created", "model", "system_fingerprint")}
-    base |= {"object": "chat.completion.chunk"}
-    for choice in response["choices"]:
-        i, message = choice["index"], choice["message"]
-        yield _sse(
-            base
-            | {
-                "choices": [
-                    {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                ]
-            }
-        )
-        if message.get("content"):
-            yield _sse(
-                base
-                | {"choices": [{"index": i, "delta": {"content": message["content"]}, "finish_reason": None}]}
-            )
-        for j, call in enumerate(message.get("tool_calls") or []):
-            delta = {"tool_calls": [{"index": j, **call}]}
-            yield _sse(base | {"choices": [{"index": i, "delta": delta, "finish_reason": None}]})
-        yield _sse(base | {"choices": [{"index": i, "delta": {}, "finish_reason": choice["finish_reason"]}]})
-    yield _sse(base | {"choices": [], "usage": response["usage"]})
-    yield _sse("[DONE]")
+def _chunk_base(kind: str, model: str, call: ModelCall) -> dict[str, Any]:
+    """The fields every chunk of one streamed response repeats."""
+    prefix = "chatcmpl" if kind == "chat.completion.chunk" else "cmpl"
+    return {
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": fingerprint(call.router, call.adapter),
+    }
 
 
-async def _stream_completion(response: dict[str, Any]) -> AsyncIterator[str]:
-    base = {k: response[k] for k in ("id", "created", "model", "system_fingerprint")}
-    base |= {"object": "text_completion"}
-    for choice in response["choices"]:
-        yield _sse(base | {"choices": [choice]})
-    yield _sse("[DONE]")
+def _message(parsed: ParsedCompletion) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        message["tool_calls"] = parsed.tool_calls
+    return message
+
+
+def _gateway_error_of(exc: BackendError) -> GatewayError:
+    return GatewayError(
+        exc.status, str(exc), "server_error" if exc.status >= 500 else "invalid_request_error"
+    )

@@ -8,6 +8,7 @@ so both backends only ever see plain text prompts and produce the same tokens.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
@@ -18,6 +19,7 @@ from trace_plugin.errors import TracePluginError
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 256
+    min_tokens: int = 0  # no end-of-sequence token before this many (vLLM's ``min_tokens``)
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     n: int = 1
@@ -26,6 +28,9 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # text the completion must never contain (vLLM's ``bad_words``)
     logprobs: bool = False
     top_logprobs: int = 0  # also return this many most likely tokens at each position
+    # OpenAI's response_format (JSON text: the params are hashable), for a backend that
+    # constrains decoding; None is plain text.
+    response_format: str | None = None
 
 
 @dataclass(slots=True)
@@ -36,6 +41,30 @@ class Completion:
     prompt_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
     top_logprobs: list[dict[str, float]] | None = None  # per position: token text -> logprob
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """Text that completion ``index`` of a request has just generated (whole characters;
+    text that may yet turn out to begin a stop string is held back until it does not)."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """Completion ``index`` of a request is done: all of it, as ``generate`` returns it.
+
+    Its text starts with what that index's deltas carried; anything after that (held-back
+    text that began no stop string) is the stream's tail.
+    """
+
+    index: int
+    completion: Completion
+
+
+StreamEvent = Delta | Finished
 
 
 class BackendError(TracePluginError, RuntimeError):
@@ -49,6 +78,7 @@ class BackendError(TracePluginError, RuntimeError):
 class Backend(Protocol):
     model_id: str  # the base model's name, as /v1/models lists it
     max_lora_rank: int
+    structured_output: bool  # whether it can hold a reply to a JSON schema (``response_format``)
 
     def render(self, messages: list[dict], tools: list[dict] | None) -> str:
         """The chat prompt for the next assistant turn (the shared tool template)."""
@@ -56,6 +86,15 @@ class Backend(Protocol):
 
     async def generate(self, prompt: str, params: SamplingParams, adapter: str | None) -> list[Completion]:
         """``params.n`` completions of ``prompt`` with ``adapter`` (None: the base model)."""
+        ...
+
+    async def stream(
+        self, prompt: str, params: SamplingParams, adapter: str | None
+    ) -> AsyncIterator[StreamEvent]:
+        """``generate``'s completions as they are generated: each index's deltas in order,
+        then its :class:`Finished`. Awaiting it does the checks, so a request that cannot be
+        served raises here, before anything is sent; closing the iterator early stops the
+        generation (a client that went away)."""
         ...
 
     async def embed(self, texts: list[str]) -> list[list[float]]:

@@ -15,12 +15,20 @@ import contextlib
 import threading
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from trace_plugin.chat_template import forbidden_token_ids, render
-from trace_plugin.gateway.backend import BackendError, Completion, SamplingParams
+from trace_plugin.gateway.backend import (
+    BackendError,
+    Completion,
+    Delta,
+    Finished,
+    SamplingParams,
+    StreamEvent,
+)
 from trace_plugin.gateway.prefix_cache import PrefixCache
 from trace_plugin.gateway.stops import StopMatcher
 from trace_plugin.generation import Ids, Layers, generate_batch, layers, prefill, stacked_cache, until_eos
@@ -31,14 +39,33 @@ BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 
 @dataclass(slots=True)
 class _Request:
+    """A queued request, and the queue its events reach its event loop through."""
+
     prompt: str
     params: SamplingParams
     adapter: str | None
-    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    streams: bool  # deltas too, not only each completion once it is done
+    events: asyncio.Queue[StreamEvent | BaseException] = field(default_factory=asyncio.Queue)
+    cancelled: bool = False  # its consumer went away: its rows stop at the next token
+
+    def put(self, event: StreamEvent | BaseException) -> None:
+        """From the worker thread."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+@dataclass(slots=True)
+class RowOutput:
+    """Where a row's text goes as it is generated, and whether anyone still wants it."""
+
+    emit: Callable[[str], None] | None = None  # None: the row is not streamed
+    cancelled: Callable[[], bool] = field(default=lambda: False)
 
 
 class EmbeddedBackend:
     """Serves a local model (the embedded SmolLM2-135M by default) and its LoRA adapters."""
+
+    structured_output = False  # transformers' generate has no JSON-schema decoding
 
     def __init__(
         self,
@@ -70,6 +97,7 @@ class EmbeddedBackend:
         turn = self.tokenizer.convert_tokens_to_ids("<|im_start|>")
         usable = prefix_cache and isinstance(turn, int) and turn != self.tokenizer.unk_token_id
         self.prefix_cache = PrefixCache(turn, capacity=prefix_cache) if usable else None
+        self.cancelled_rows = 0  # rows stopped mid-generation because their client left
         self._torch = threading.Lock()
         self._workers: weakref.WeakKeyDictionary[
             asyncio.AbstractEventLoop, tuple[asyncio.Queue, asyncio.Task]
@@ -82,6 +110,18 @@ class EmbeddedBackend:
         return render(self.tokenizer, messages, tools)
 
     async def generate(self, prompt: str, params: SamplingParams, adapter: str | None) -> list[Completion]:
+        request = await self._submit(prompt, params, adapter, streams=False)
+        done = {event.index: event.completion async for event in self._events(request)}
+        return [done[i] for i in range(params.n)]
+
+    async def stream(
+        self, prompt: str, params: SamplingParams, adapter: str | None
+    ) -> AsyncIterator[StreamEvent]:
+        return self._events(await self._submit(prompt, params, adapter, streams=True))
+
+    async def _submit(
+        self, prompt: str, params: SamplingParams, adapter: str | None, *, streams: bool
+    ) -> _Request:
         if adapter is not None and adapter not in self._adapters:
             raise BackendError(f"adapter {adapter!r} is not loaded", status=404)
         await self._check_fits(prompt, params.max_tokens)
@@ -91,9 +131,23 @@ class EmbeddedBackend:
             queue = asyncio.Queue()
             worker = loop.create_task(self._batch_loop(queue), name="embedded-generate")
             self._workers[loop] = (queue, worker)
-        future = loop.create_future()
-        await queue.put(_Request(prompt, params, adapter, future))
-        return await future
+        request = _Request(prompt, params, adapter, loop, streams)
+        await queue.put(request)
+        return request
+
+    @staticmethod
+    async def _events(request: _Request) -> AsyncIterator[StreamEvent]:
+        """The request's events until its last completion; leaving early cancels its rows."""
+        finished = 0
+        try:
+            while finished < request.params.n:
+                event = await request.events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                finished += isinstance(event, Finished)
+                yield event
+        finally:
+            request.cancelled = finished < request.params.n
 
     async def _check_fits(self, prompt: str, max_tokens: int) -> None:
         """A 400 for a prompt the model's context cannot hold, before it joins a batch:
@@ -143,31 +197,40 @@ class EmbeddedBackend:
                     break
             groups: dict[SamplingParams, list[_Request]] = defaultdict(list)
             for request in batch:
-                groups[request.params].append(request)
+                if not request.cancelled:  # its client left while it was queued
+                    groups[request.params].append(request)
             for params, requests in groups.items():
                 try:
                     results = await asyncio.to_thread(self._generate_group, requests, params)
                 except Exception as exc:  # one bad group must not take the worker down
-                    for r in requests:
-                        if not r.future.done():
-                            r.future.set_exception(BackendError(f"generation failed: {exc}"))
+                    error = (
+                        exc if isinstance(exc, BackendError) else BackendError(f"generation failed: {exc}")
+                    )
+                    for request in requests:
+                        request.events.put_nowait(error)
                     continue
                 for request, completions in zip(requests, results, strict=True):
-                    if not request.future.done():
-                        request.future.set_result(completions)
+                    for index, completion in enumerate(completions):
+                        request.events.put_nowait(Finished(index, completion))
 
     # -- torch work (worker thread) ------------------------------------------------------------
 
     def generate_rows(
-        self, prompts: list[str], adapters: list[str | None], params: SamplingParams
+        self,
+        prompts: list[str],
+        adapters: list[str | None],
+        params: SamplingParams,
+        outputs: Sequence[RowOutput] | None = None,
     ) -> list[Completion]:
-        """One ``generate`` call over ``prompts``, row i through ``adapters[i]``."""
+        """One ``generate`` call over ``prompts``, row i through ``adapters[i]``, its text
+        streamed to ``outputs[i]`` as it is generated."""
         import torch
         from transformers import StoppingCriteriaList
 
         rows = [tuple(ids) for ids in self.tokenizer(prompts, add_special_tokens=False).input_ids]
         kwargs: dict[str, Any] = {
             "max_new_tokens": params.max_tokens,
+            "min_new_tokens": params.min_tokens or None,
             "do_sample": params.temperature > 0,
             "pad_token_id": self.tokenizer.pad_token_id,
             "eos_token_id": self._eos_id,
@@ -175,10 +238,10 @@ class EmbeddedBackend:
             "output_logits": params.logprobs or params.top_logprobs > 0,
         }
         stops = StopMatcher(params.stop) if params.stop else None
-        if stops is not None:  # stop generating there, not just cut the text afterwards
-            kwargs["stopping_criteria"] = StoppingCriteriaList(
-                [StopStrings(stops, self.tokenizer, len(rows))]
-            )
+        watch = RowWatch(self.tokenizer, len(rows), stops, outputs, eos=self._eos_id)
+        kwargs["stopping_criteria"] = StoppingCriteriaList(
+            [watch]
+        )  # a stop ends generating, not just the text
         if params.bad_words:
             kwargs["bad_words_ids"] = forbidden_token_ids(self.tokenizer, params.bad_words)
         if params.temperature > 0:
@@ -194,6 +257,7 @@ class EmbeddedBackend:
                 out, width = generate_batch(
                     self.model, rows, kwargs["pad_token_id"], skip=skip, cache=cache, **kwargs, **route
                 )
+        self.cancelled_rows += watch.cancelled
         return [
             self._completion(sequence[width:].tolist(), list(ids), out, row, params, stops)
             for row, (sequence, ids) in enumerate(zip(out.sequences, rows, strict=True))
@@ -302,7 +366,8 @@ class EmbeddedBackend:
         missing = {a for a in adapters if a is not None and a not in self._adapters}
         if missing:
             raise BackendError(f"adapter(s) unloaded while queued: {sorted(missing)}", status=404)
-        rows = self.generate_rows(prompts, adapters, params)
+        outputs = [_row_output(r, i) for r in requests for i in range(params.n)]
+        rows = self.generate_rows(prompts, adapters, params, outputs)
         return [rows[i * params.n : (i + 1) * params.n] for i in range(len(requests))]
 
     def _load_adapter(self, name: str, path: Path) -> None:
@@ -334,27 +399,54 @@ class EmbeddedBackend:
                 self.prefix_cache.drop(name)
 
 
-class StopStrings:
-    """A stopping criterion: a row is done once a stop string completes in its new text.
+def _row_output(request: _Request, index: int) -> RowOutput:
+    emit = (lambda text: request.put(Delta(index, text))) if request.streams else None
+    return RowOutput(emit, lambda: request.cancelled)
 
+
+class RowWatch:
+    """A stopping criterion that reads each row's newest text as it is generated.
+
+    It stops a row once a stop string completes in it or once nobody wants it any more,
+    and hands a streamed row's new text on, holding back what may yet begin a stop string.
     Each step decodes only the row's newest tokens (vLLM's incremental detokenization: the
     text of the tokens since the last complete character, less what was already read) and
     feeds that to the row's matcher state, so a step costs the same however many stop
     strings there are and however long the reply has grown.
     """
 
-    def __init__(self, stops: StopMatcher, tokenizer: Any, rows: int) -> None:
-        self.stops, self.tokenizer = stops, tokenizer
+    def __init__(
+        self,
+        tokenizer: Any,
+        rows: int,
+        stops: StopMatcher | None = None,
+        outputs: Sequence[RowOutput] | None = None,
+        *,
+        eos: int | None = None,
+    ) -> None:
+        self.stops, self.tokenizer, self.eos = stops, tokenizer, eos
+        self.outputs = list(outputs) if outputs else [RowOutput() for _ in range(rows)]
         self._ids: list[list[int]] = [[] for _ in range(rows)]
         self._offsets = [(0, 0)] * rows  # per row: where the decoded window starts, where reading ended
         self._states = [0] * rows
+        self._texts = [""] * rows  # a streamed row's text so far
+        self._sent = [0] * rows  # how much of it was handed on
         self._done = [False] * rows
+        self.cancelled = 0  # rows stopped because nobody wanted them any more
 
     def __call__(self, input_ids: Any, scores: Any, **_: Any) -> Any:
         import torch
 
         for row, token in enumerate(input_ids[:, -1].tolist()):
-            if not self._done[row]:
+            if self._done[row]:
+                continue
+            if self.outputs[row].cancelled():
+                self._done[row] = True
+                self.cancelled += 1
+            elif token == self.eos:  # generate ends the row itself; nothing more to read
+                self._flush(row, len(self._texts[row]))
+                self._done[row] = True
+            elif self.stops is not None or self.outputs[row].emit is not None:
                 self._done[row] = self._step(row, token)
         return torch.tensor(self._done, device=input_ids.device)
 
@@ -367,5 +459,21 @@ class StopStrings:
         if len(after) <= len(before) or after.endswith("\ufffd"):  # a character still incomplete
             return False
         self._offsets[row] = (read, len(ids))
-        self._states[row], end = self.stops.feed(after[len(before) :], self._states[row])
-        return end is not None
+        piece = after[len(before) :]
+        self._texts[row] += piece
+        if self.stops is None:
+            self._flush(row, len(self._texts[row]))
+            return False
+        self._states[row], end = self.stops.feed(piece, self._states[row])
+        if end is not None:  # hand on the text before the stop string, never the stop itself
+            completed = len(self._texts[row]) - len(piece) + end
+            self._flush(row, completed - self.stops.stop_length(self._states[row]))
+            return True
+        self._flush(row, len(self._texts[row]) - self.stops.pending(self._states[row]))
+        return False
+
+    def _flush(self, row: int, upto: int) -> None:
+        emit = self.outputs[row].emit
+        if emit is not None and upto > self._sent[row]:
+            emit(self._texts[row][self._sent[row] : upto])
+            self._sent[row] = upto

@@ -1,8 +1,8 @@
 """The OpenAI-compatible request bodies the gateway accepts, validated with pydantic.
 
-Unknown fields are ignored (clients send many we do not use, such as
-``parallel_tool_calls`` or ``stream_options``); known ones are checked, so a malformed
-request gets a 400 that says which field is wrong.
+Unknown fields are ignored (clients send many we do not use, such as ``user`` or
+``store``); known ones are checked, so a malformed request gets a 400 that says which
+field is wrong.
 """
 
 from __future__ import annotations
@@ -105,13 +105,19 @@ class TraceMetadata(_Lenient):
     trace_agent: str | None = Field(None, min_length=1, max_length=MAX_AGENT)
 
 
+class StreamOptions(_Lenient):
+    include_usage: bool = False  # a last chunk, with no choices, carries the usage
+
+
 class _Sampling(_Lenient):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS)  # vLLM's: no end of the reply before this many
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     return_token_ids: bool = False  # vLLM >= 0.10.2: prompt and completion token ids
@@ -131,6 +137,9 @@ class _Sampling(_Lenient):
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    def streams_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
 
 class ChosenFunction(_Lenient):
     name: str = Field(min_length=1, max_length=128)
@@ -143,8 +152,28 @@ class NamedToolChoice(_Lenient):
     function: ChosenFunction
 
 
+class JsonSchemaFormat(_Lenient):
+    name: str = Field("response", min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Lenient):
-    type: Literal["text"]
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON of a schema.
+    The JSON ones need a backend that constrains decoding (vLLM's structured outputs)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_asked(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema goes with type 'json_schema', and only with it")
+        return self
+
+    def constrained(self) -> str | None:
+        """The format as the backend receives it (JSON text), None for plain text."""
+        return None if self.type == "text" else json.dumps(self.model_dump(by_alias=True, exclude_none=True))
 
 
 class ChatCompletionRequest(_Sampling):
@@ -152,7 +181,6 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call per reply
-    # Only plain text: JSON modes need constrained decoding, which no backend here does yet.
     response_format: ResponseFormat | None = None
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool = False

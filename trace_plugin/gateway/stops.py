@@ -18,6 +18,7 @@ class StopMatcher:
     def __init__(self, stops: Iterable[str]) -> None:
         self._goto: list[dict[str, int]] = [{}]
         self._longest = [0]  # the longest stop string ending at each state (0: none)
+        self._depth = [0]  # how many characters of a stop string each state has matched
         for stop in stops:
             state = 0
             for char in stop:
@@ -25,6 +26,7 @@ class StopMatcher:
                     self._goto[state][char] = len(self._goto)
                     self._goto.append({})
                     self._longest.append(0)
+                    self._depth.append(self._depth[state] + 1)
                 state = self._goto[state][char]
             self._longest[state] = len(stop)
         # Each state falls back to the state of its longest proper suffix that is a prefix of some stop.
@@ -52,8 +54,17 @@ class StopMatcher:
                 return state, i + 1
         return state, None
 
+    def pending(self, state: int) -> int:
+        """How many characters at the end of the text read so far may begin a stop string:
+        a stream holds them back until they complete one or stop matching."""
+        return self._depth[state]
+
+    def stop_length(self, state: int) -> int:
+        """The length of the stop string that completed on reaching ``state``."""
+        return self._longest[state]
+
     def cut(self, text: str) -> str | None:
         """``text`` before the first stop string to complete in it (the longest one ending
         there); None when none does."""
         state, end = self.feed(text)
-        return None if end is None else text[: end - self._longest[state]]
+        return None if end is None else text[: end - self.stop_length(state)]

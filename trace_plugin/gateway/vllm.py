@@ -18,18 +18,30 @@ filesystem (the usual single-host deployment) or mount the adapter root at the s
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 
 from trace_plugin.chat_template import render
-from trace_plugin.gateway.backend import BackendError, Completion, SamplingParams
+from trace_plugin.gateway.backend import (
+    BackendError,
+    Completion,
+    Delta,
+    Finished,
+    SamplingParams,
+    StreamEvent,
+)
 from trace_plugin.model_files import prepare_tokenizer, resolve_model
 
 
 class VLLMBackend:
     """Talks to a vLLM (or any server with the same HTTP contract) at ``base_url``."""
+
+    structured_output = True  # vLLM's completions take ``response_format`` (structured outputs)
 
     def __init__(
         self,
@@ -69,6 +81,65 @@ class VLLMBackend:
         return render(self.tokenizer, messages, tools)
 
     async def generate(self, prompt: str, params: SamplingParams, adapter: str | None) -> list[Completion]:
+        data = await self._post_json("/v1/completions", self._body(prompt, params, adapter))
+        return [self._completion(choice, data) for choice in data["choices"]]
+
+    async def stream(
+        self, prompt: str, params: SamplingParams, adapter: str | None
+    ) -> AsyncIterator[StreamEvent]:
+        """vLLM's own stream, passed through; closing it closes the connection, which
+        makes vLLM abort the request."""
+        body = self._body(prompt, params, adapter) | {"stream": True}
+        try:
+            response = await self._client.send(
+                self._client.build_request("POST", "/v1/completions", json=body), stream=True
+            )
+        except httpx.HTTPError as exc:
+            raise BackendError(f"vLLM at {self.base_url} unreachable: {exc}", 502) from exc
+        if response.status_code >= 400:
+            text = (await response.aread()).decode(errors="replace")
+            await response.aclose()
+            raise BackendError(f"vLLM /v1/completions failed: {text[:300]}", response.status_code)
+        return self._events(response, params.n)
+
+    async def _events(self, response: httpx.Response, n: int) -> AsyncIterator[StreamEvent]:
+        texts, ids = [""] * n, [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        prompt_ids: list[int] = []
+        try:
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    return
+                try:
+                    chunk = json.loads(data)
+                except ValueError as exc:
+                    raise BackendError(f"vLLM streamed a chunk that is not JSON: {data[:200]}", 502) from exc
+                if "error" in chunk:
+                    raise BackendError(f"vLLM failed mid-stream: {json.dumps(chunk['error'])[:300]}", 502)
+                prompt_ids = chunk.get("prompt_token_ids") or prompt_ids
+                for choice in chunk.get("choices") or ():
+                    i, text = choice["index"], choice.get("text") or ""
+                    prompt_ids = choice.get("prompt_token_ids") or prompt_ids
+                    ids[i] += choice.get("token_ids") or []
+                    logprobs[i] += (choice.get("logprobs") or {}).get("token_logprobs") or []
+                    if text:
+                        texts[i] += text
+                        yield Delta(i, text)
+                    if choice.get("finish_reason"):
+                        finish = "length" if choice["finish_reason"] == "length" else "stop"
+                        yield Finished(
+                            i, Completion(texts[i], ids[i], finish, list(prompt_ids), logprobs[i] or None)
+                        )
+        except httpx.HTTPError as exc:
+            raise BackendError(f"vLLM's stream broke off: {exc}", 502) from exc
+        finally:
+            with anyio.CancelScope(shield=True):  # close even when the consumer was cancelled
+                await response.aclose()
+
+    def _body(self, prompt: str, params: SamplingParams, adapter: str | None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": adapter or self.model_id,
             "prompt": prompt,
@@ -79,6 +150,8 @@ class VLLMBackend:
             "return_token_ids": True,
             "add_special_tokens": False,  # the template already holds every special token
         }
+        if params.min_tokens:
+            body["min_tokens"] = params.min_tokens
         if params.seed is not None:
             body["seed"] = params.seed
         if params.stop:
@@ -87,8 +160,9 @@ class VLLMBackend:
             body["bad_words"] = list(params.bad_words)
         if params.logprobs or params.top_logprobs:
             body["logprobs"] = params.top_logprobs
-        data = await self._post_json("/v1/completions", body)
-        return [self._completion(choice, data) for choice in data["choices"]]
+        if params.response_format is not None:
+            body["response_format"] = json.loads(params.response_format)
+        return body
 
     def _completion(self, choice: dict[str, Any], data: dict[str, Any]) -> Completion:
         logprobs = top = None
