@@ -73,6 +73,22 @@ def test_a_call_goes_out_name_first_then_its_arguments_in_fragments():
     assert call["id"] == parsed.tool_calls[0]["id"]  # the recorded reply keeps the id the client got
 
 
+def test_the_name_goes_out_as_soon_as_it_is_written():
+    stream = ReplyStream()
+    [delta] = stream.feed('<tool_call>\n{"name": "get_order"')
+    assert delta["tool_calls"][0]["function"] == {"name": "get_order", "arguments": ""}
+    assert stream.feed(", ") == []
+    # Arguments written as a JSON string: sent whole once the call closes, as parsed.
+    text = '<tool_call>\n{"name": "a", "parameters": "{\\"x\\": 1}"}\n</tool_call>'
+    deltas, parsed = streamed(text)
+    [call] = assembled(deltas)[1]
+    assert (
+        (call["name"], call["arguments"])
+        == ("a", parsed.tool_calls[0]["function"]["arguments"])
+        == ("a", '{"x": 1}')
+    )
+
+
 def test_calls_of_other_shapes_go_out_whole_and_the_call_limit_holds():
     listed = (
         '<tool_call>\n[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"q": 1}}]\n</tool_call>'

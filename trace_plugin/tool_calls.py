@@ -115,11 +115,10 @@ def _parse_block(block: str) -> tuple[list[dict[str, Any]], str | None]:
 
 # -- streaming -----------------------------------------------------------------------------------
 
-# A call's opening up to its arguments object, name first (the template's order): from there the
-# arguments can be sent as they are written. A call of any other shape is sent whole once it closes.
-_CALL_HEAD = re.compile(
-    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)', re.DOTALL
-)
+# A call's opening up to its name, name first as the template writes it: the name goes out
+# then. The arguments object follows its key; a call of any other shape is sent whole once it closes.
+_CALL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"', re.DOTALL)
+_ARGUMENTS_KEY = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 
 
 class ReplyStream:
@@ -140,8 +139,11 @@ class ReplyStream:
         self.content = ""  # content sent so far
         self.ids: list[str] = []  # the ids of the calls sent so far
         self._pending = ""  # text read but not yet sent or passed over
-        self._state = "content"  # or "head" (a call before its arguments), "arguments", "tail"
+        # "content", then per call "head" (before its name), "named" (name sent, arguments not
+        # begun), "arguments", "tail" (after them, up to the closing tag)
+        self._state = "content"
         self._scan = (0, False, False)  # in the arguments: nesting depth, in a string, after a backslash
+        self._block = 0  # where the current call's text starts in ``seen``
         self._owed: list[dict[str, Any]] = []
         self._owed = self.feed(opening)  # a named forced call's first delta, sent with the first text
 
@@ -185,25 +187,24 @@ class ReplyStream:
                 return False
             self._send_content(pending[:at].rstrip(), deltas)
             self._pending, self._state = pending[at + len(OPEN) :], "head"
+            self._block = len(self.seen) - len(self._pending)  # where this call's text starts in seen
             if self.max_calls is not None and len(self.ids) >= self.max_calls:
                 self._state = "tail"  # calls past the limit are dropped, as parse_completion drops them
             return True
         if self._state == "head":
-            head = _CALL_HEAD.match(pending)
-            if head is not None:
-                name = json.loads(f'"{head.group(1)}"')
-                self._send_call({"type": "function", "function": {"name": name, "arguments": ""}}, deltas)
-                self._pending, self._state, self._scan = pending[head.end() :], "arguments", (0, False, False)
+            name = _CALL_NAME.match(pending)
+            if name is not None:
+                function = {"name": json.loads(f'"{name.group(1)}"'), "arguments": ""}
+                self._send_call({"type": "function", "function": function}, deltas)
+                self._pending, self._state = pending[name.end() :], "named"
                 return True
-            close = pending.find(CLOSE)
-            if close < 0:
-                return False
-            calls, error = _parse_block(pending[:close])
-            limit = None if self.max_calls is None else self.max_calls - len(self.ids)
-            for call in calls[:limit] if error is None else ():
-                self._send_call(call, deltas)
-            self._pending, self._state = pending[close + len(CLOSE) :], "content"
-            return True
+            return self._whole_calls(deltas)
+        if self._state == "named":
+            key = _ARGUMENTS_KEY.match(pending)
+            if key is not None:
+                self._pending, self._state, self._scan = pending[key.end() :], "arguments", (0, False, False)
+                return True
+            return self._whole_calls(deltas, named=True)
         if self._state == "arguments":
             end = self._arguments_end(pending)
             sent = pending if end is None else pending[:end]
@@ -218,6 +219,23 @@ class ReplyStream:
         if close < 0:
             return False
         self._pending, self._state = pending[close + len(CLOSE) :], "content"
+        return True
+
+    def _whole_calls(self, deltas: list[dict[str, Any]], *, named: bool = False) -> bool:
+        """A call of another shape, sent whole once it closes (after its name, if that was
+        sent already: then its arguments); False while it is still open."""
+        close = self._pending.find(CLOSE)
+        if close < 0:
+            return False
+        calls, error = _parse_block(self.seen[self._block : len(self.seen) - len(self._pending) + close])
+        calls = calls if error is None else []
+        if named and calls:
+            first = calls.pop(0)["function"]["arguments"]
+            deltas.append({"tool_calls": [{"index": len(self.ids) - 1, "function": {"arguments": first}}]})
+        limit = None if self.max_calls is None else self.max_calls - len(self.ids)
+        for call in calls[:limit]:
+            self._send_call(call, deltas)
+        self._pending, self._state = self._pending[close + len(CLOSE) :], "content"
         return True
 
     def _arguments_end(self, text: str) -> int | None:
