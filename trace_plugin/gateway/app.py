@@ -32,7 +32,7 @@ from trace_plugin.chat_template import REPLY_FORBIDDEN
 from trace_plugin.conversations import ConversationEpisodes, ModelCall, fingerprint
 from trace_plugin.errors import TracePluginError
 from trace_plugin.gateway.adapters import AdapterError, AdapterRegistry
-from trace_plugin.gateway.backend import Backend, BackendError, Completion, Delta, SamplingParams, StreamEvent
+from trace_plugin.gateway.backend import Backend, BackendError, Completion, Delta, Events, SamplingParams
 from trace_plugin.gateway.protocol import (
     MAX_EPISODE_ID,
     ChatCompletionRequest,
@@ -91,6 +91,16 @@ class GatewayConfig:
     # name@version hot-swap; False keeps vLLM's semantics (each adapter name independent).
     hot_swap: bool = True
     adapters: dict[str, str] = field(default_factory=dict)  # name@version -> path, loaded at start
+
+
+@dataclass(slots=True)
+class Stream:
+    """A request being streamed: the backend's events, the name its adapters are held under
+    until it ends (None: the base model), and the label of what serves it."""
+
+    events: Events
+    held: str | None
+    served: str | None
 
 
 def create_app(
@@ -245,15 +255,12 @@ def create_app(
         finally:
             release(full)
 
-    async def open_stream(
-        prompt: str, params: SamplingParams, mixture: Mixture
-    ) -> tuple[AsyncIterator[StreamEvent], str | None, str | None]:
-        """The backend's stream, the name its adapters are held under (release it when the
-        stream ends) and the label of what serves it. A request that cannot be served fails
-        here, while it can still get its status code."""
+    async def open_stream(prompt: str, params: SamplingParams, mixture: Mixture) -> Stream:
+        """The backend's stream for ``prompt``. A request that cannot be served fails here,
+        while it can still get its status code."""
         full, served = await acquire(mixture)
         try:
-            return await backend.stream(prompt, params, full), full, served
+            return Stream(await backend.stream(prompt, params, full), full, served)
         except BackendError as exc:
             release(full)
             raise _gateway_error_of(exc) from exc
@@ -310,9 +317,9 @@ def create_app(
             started_at=started,
         )
         if body.stream:
-            events, held, served = await open_stream(prompt, params, adapter)
-            chunks = chat_chunks(body, replace(call, adapter=served), events, held, opening, t0)
-            headers = {ADAPTER_HEADER: served or "", **({EPISODE_HEADER: episode} if episode else {})}
+            stream = await open_stream(prompt, params, adapter)
+            chunks = chat_chunks(body, replace(call, adapter=stream.served), stream, opening, t0)
+            headers = {ADAPTER_HEADER: stream.served or "", **({EPISODE_HEADER: episode} if episode else {})}
             return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
         completions, served = await generate(prompt, params, adapter)
         choices = []
@@ -352,8 +359,7 @@ def create_app(
     async def chat_chunks(
         body: ChatCompletionRequest,
         call: ModelCall,
-        events: AsyncIterator[StreamEvent],
-        held: str | None,
+        stream: Stream,
         opening: str,
         t0: float,
     ) -> AsyncIterator[str]:
@@ -375,7 +381,7 @@ def create_app(
         try:
             for index in range(n):
                 yield chunk(index, {"role": "assistant", "content": ""})
-            async for event in events:
+            async for event in stream.events:
                 index = event.index
                 if isinstance(event, Delta):
                     for delta in readers[index].feed(event.text):
@@ -398,7 +404,7 @@ def create_app(
                 if len(finished) == n:
                     record_call(call, replies, finished, body.return_token_ids, t0)
                 else:
-                    record_unfinished(call, [r.seen for r in readers], t0, "the backend's stream ended early")
+                    record_unfinished(call, [r.seen for r in readers], t0, ENDED_EARLY)
             recorded = True
             if body.streams_usage():
                 yield _sse(base | {"choices": [], "usage": _usage(finished)})
@@ -410,11 +416,15 @@ def create_app(
             recorded = True
             yield _sse({"error": {"message": error.message, "type": error.type, "param": None, "code": None}})
         finally:
-            release(held)
-            with anyio.CancelScope(shield=True):  # the client's disconnect may be cancelling us
-                await events.aclose()  # type: ignore[attr-defined]
+            await close(stream)
             if config.record and not recorded:
                 record_unfinished(call, [r.seen for r in readers], t0, CANCELLED)
+
+    async def close(stream: Stream) -> None:
+        """End a stream however it went: its generation stops, its adapters are released."""
+        release(stream.held)
+        with anyio.CancelScope(shield=True):  # the client's disconnect may be cancelling us
+            await stream.events.aclose()
 
     def record_call(
         call: ModelCall,
@@ -480,7 +490,7 @@ def create_app(
         if body.stream:
             first = await open_stream(prompts[0], params, adapter)
             chunks = completion_chunks(body, prompts, params, adapter, first, call_of)
-            headers = {ADAPTER_HEADER: first[2] or "", **({EPISODE_HEADER: episode} if episode else {})}
+            headers = {ADAPTER_HEADER: first.served or "", **({EPISODE_HEADER: episode} if episode else {})}
             return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
         results: list[Completion] = []
         served = None
@@ -519,7 +529,7 @@ def create_app(
         prompts: list[str],
         params: SamplingParams,
         mixture: Mixture,
-        first: tuple[AsyncIterator[StreamEvent], str | None, str | None],
+        first: Stream,
         call_of: Callable[[str, str | None], ModelCall],
     ) -> AsyncIterator[str]:
         """Each prompt's completions as they are generated, prompt after prompt."""
@@ -527,11 +537,13 @@ def create_app(
         try:
             for number, prompt in enumerate(prompts):
                 stream = first if number == 0 else await open_stream(prompt, params, mixture)
-                call = call_of(prompt, stream[2])
+                call = call_of(prompt, stream.served)
                 async for chunk in prompt_chunks(body, number * params.n, call, stream, finished):
                     yield chunk
             if body.streams_usage():
-                base = _chunk_base("text_completion", first[2] or backend.model_id, call_of("", first[2]))
+                base = _chunk_base(
+                    "text_completion", first.served or backend.model_id, call_of("", first.served)
+                )
                 yield _sse(base | {"choices": [], "usage": _usage(finished)})
             yield _sse("[DONE]")
         except (BackendError, GatewayError) as exc:
@@ -542,14 +554,13 @@ def create_app(
         body: CompletionRequest,
         first_index: int,
         call: ModelCall,
-        stream: tuple[AsyncIterator[StreamEvent], str | None, str | None],
+        stream: Stream,
         finished: list[Completion],
     ) -> AsyncIterator[str]:
         """One prompt's chunks (choices numbered from ``first_index``); its call is recorded
         when its stream ends, as cancelled if the client left before."""
-        events, held, served = stream
         t0, prompt = time.perf_counter(), call.messages[0]["content"]
-        base = _chunk_base("text_completion", served or backend.model_id, call)
+        base = _chunk_base("text_completion", stream.served or backend.model_id, call)
         texts, done = [""] * body.n, [None] * body.n
         recorded = False
 
@@ -560,7 +571,7 @@ def create_app(
         try:
             for index in range(body.n) if body.echo else ():
                 yield chunk(index, prompt)
-            async for event in events:
+            async for event in stream.events:
                 if isinstance(event, Delta):
                     texts[event.index] += event.text
                     yield chunk(event.index, event.text)
@@ -583,7 +594,7 @@ def create_app(
                 replies = [{"role": "assistant", "content": c.text} for c in complete]
                 record_call(call, replies, complete, body.return_token_ids, t0)
             elif config.record:
-                record_unfinished(call, texts, t0, "the backend's stream ended early")
+                record_unfinished(call, texts, t0, ENDED_EARLY)
             recorded = True
         except BackendError as exc:
             if config.record:
@@ -591,9 +602,7 @@ def create_app(
             recorded = True
             raise
         finally:
-            release(held)
-            with anyio.CancelScope(shield=True):
-                await events.aclose()  # type: ignore[attr-defined]
+            await close(stream)
             if config.record and not recorded:
                 record_unfinished(call, texts, t0, CANCELLED)
 
@@ -696,6 +705,7 @@ def create_app(
 
 ROUTER_PREFIX = "router:"
 CANCELLED = "cancelled: the client disconnected before the reply was complete"
+ENDED_EARLY = "the backend's stream ended before every completion did"
 BASE_MODEL = "base"  # the base model itself, whatever the router would choose
 
 

@@ -8,7 +8,7 @@ so both backends only ever see plain text prompts and produce the same tokens.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
@@ -65,6 +65,8 @@ class Finished:
 
 
 StreamEvent = Delta | Finished
+# A request's events as they come; closing it early stops its generation.
+Events = AsyncGenerator[StreamEvent, None]
 
 
 class BackendError(TracePluginError, RuntimeError):
@@ -88,9 +90,7 @@ class Backend(Protocol):
         """``params.n`` completions of ``prompt`` with ``adapter`` (None: the base model)."""
         ...
 
-    async def stream(
-        self, prompt: str, params: SamplingParams, adapter: str | None
-    ) -> AsyncIterator[StreamEvent]:
+    async def stream(self, prompt: str, params: SamplingParams, adapter: str | None) -> Events:
         """``generate``'s completions as they are generated: each index's deltas in order,
         then its :class:`Finished`. Awaiting it does the checks, so a request that cannot be
         served raises here, before anything is sent; closing the iterator early stops the

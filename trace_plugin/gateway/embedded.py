@@ -15,7 +15,7 @@ import contextlib
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from trace_plugin.gateway.backend import (
     BackendError,
     Completion,
     Delta,
+    Events,
     Finished,
     SamplingParams,
     StreamEvent,
@@ -114,9 +115,7 @@ class EmbeddedBackend:
         done = {event.index: event.completion async for event in self._events(request)}
         return [done[i] for i in range(params.n)]
 
-    async def stream(
-        self, prompt: str, params: SamplingParams, adapter: str | None
-    ) -> AsyncIterator[StreamEvent]:
+    async def stream(self, prompt: str, params: SamplingParams, adapter: str | None) -> Events:
         return self._events(await self._submit(prompt, params, adapter, streams=True))
 
     async def _submit(
@@ -136,7 +135,7 @@ class EmbeddedBackend:
         return request
 
     @staticmethod
-    async def _events(request: _Request) -> AsyncIterator[StreamEvent]:
+    async def _events(request: _Request) -> Events:
         """The request's events until its last completion; leaving early cancels its rows."""
         finished = 0
         try:

@@ -19,7 +19,6 @@ filesystem (the usual single-host deployment) or mount the adapter root at the s
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +30,9 @@ from trace_plugin.gateway.backend import (
     BackendError,
     Completion,
     Delta,
+    Events,
     Finished,
     SamplingParams,
-    StreamEvent,
 )
 from trace_plugin.model_files import prepare_tokenizer, resolve_model
 
@@ -84,9 +83,7 @@ class VLLMBackend:
         data = await self._post_json("/v1/completions", self._body(prompt, params, adapter))
         return [self._completion(choice, data) for choice in data["choices"]]
 
-    async def stream(
-        self, prompt: str, params: SamplingParams, adapter: str | None
-    ) -> AsyncIterator[StreamEvent]:
+    async def stream(self, prompt: str, params: SamplingParams, adapter: str | None) -> Events:
         """vLLM's own stream, passed through; closing it closes the connection, which
         makes vLLM abort the request."""
         body = self._body(prompt, params, adapter) | {"stream": True}
@@ -102,7 +99,7 @@ class VLLMBackend:
             raise BackendError(f"vLLM /v1/completions failed: {text[:300]}", response.status_code)
         return self._events(response, params.n)
 
-    async def _events(self, response: httpx.Response, n: int) -> AsyncIterator[StreamEvent]:
+    async def _events(self, response: httpx.Response, n: int) -> Events:
         texts, ids = [""] * n, [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
         prompt_ids: list[int] = []
