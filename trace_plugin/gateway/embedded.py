@@ -5,7 +5,9 @@ that share sampling settings go through one ``generate`` call, and PEFT's mixed-
 ``adapter_names`` routes each row through its own adapter (or ``__base__``); a batch with
 one adapter or none runs without that split. All torch work, generation and adapter
 (un)loading, runs on one worker thread in turn, so swapping an adapter never races a
-generation.
+generation. Each request's results reach its event loop as events: a streamed request's
+new text at every step (:class:`RowWatch`), then each completion whole; a request whose
+consumer stops listening has its rows stopped at the next token.
 """
 
 from __future__ import annotations
