@@ -102,16 +102,27 @@ def test_synthesis_is_generic_over_tool_schemas():
         return {"type": "function", "function": {"name": name, "parameters": {"type": "object",
                 "properties": properties, "required": list(params)}}}  # fmt: skip
 
-    airline = [
-        tool("get_reservation", "reservation_id"),
-        tool("cancel_reservation", "reservation_id", "reason"),
-        tool("search_flight", "origin", "destination"),
-        tool("transfer_to_agent", "summary"),
-    ]
-    for capability in ("tool_call_format", "precondition_verification", "policy_refusal"):
-        spec = synthesize(capability, airline, system_prompt="You are an airline agent.")
-        assert {t.name for t in spec.tools} <= {"get_reservation", "cancel_reservation"}
-        assert check_policies(spec, range(50)).passed
+    # The same tools under the names agents give them: snake_case, namespaced, camelCase.
+    for names in (
+        ("get_reservation", "cancel_reservation", "search_flight", "transfer_to_agent"),
+        (
+            "airline.get_reservation",
+            "airline.cancel_reservation",
+            "airline.search_flight",
+            "airline.transfer",
+        ),
+        ("getReservation", "cancelReservation", "searchFlight", "transferToAgent"),
+    ):
+        airline = [
+            tool(names[0], "reservation_id"),
+            tool(names[1], "reservation_id", "reason"),
+            tool(names[2], "origin", "destination"),
+            tool(names[3], "summary"),
+        ]
+        for capability in ("tool_call_format", "precondition_verification", "policy_refusal"):
+            spec = synthesize(capability, airline, system_prompt="You are an airline agent.")
+            assert {t.name for t in spec.tools} <= set(names[:2]) and spec.tools
+            assert check_policies(spec, range(50)).passed
 
 
 HOSTILE = {
@@ -125,6 +136,9 @@ HOSTILE = {
     "oversized state": lambda s: s["tables"]["order"].update(rows=10_000),
     "oversized spec": lambda s: s.update(description="x" * 70_000),
     "unknown field": lambda s: s.update(code="import os"),
+    "tool name that is no function name": lambda s: s["tools"][0]["schema"]["function"].update(
+        name="rm -rf /"
+    ),
     "bad id pattern": lambda s: s["tables"]["order"]["columns"]["order_id"].update(pattern="{__import__}"),
 }
 

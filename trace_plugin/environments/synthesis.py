@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trace_plugin.chat_template import arguments_object, content_text
-from trace_plugin.mining.detectors import guess_role
+from trace_plugin.mining.detectors import guess_role, name_words
 from trace_plugin.mining.kinds import KINDS, FamilyName
 from trace_plugin.records.env_spec import (
     Action,
@@ -144,7 +144,7 @@ class Interface:
         function = schema.get("function", schema)
         name, params = function.get("name", ""), _params(function)
         required = set((function.get("parameters") or {}).get("required", []))
-        if name.startswith("transfer"):
+        if name_words(name)[:1] == ["transfer"]:
             return ToolSpec(schema=schema, behaviour="terminate")
         noun = _target(function, {n: {} for n in self.tables})
         if noun is None:
@@ -165,7 +165,7 @@ class Interface:
                 table=noun,
                 key=key,
                 guard={"status": status[:1]},
-                sets={**sets, "status": past_tense(name.split("_")[0])},
+                sets={**sets, "status": past_tense(name_words(name)[0])},
             )
         return None
 
@@ -368,7 +368,7 @@ def _writes(interface: Interface, *, allowed: bool) -> tuple[list[TaskTemplate],
         for p in params:
             arguments[p] = [f"{{{p}}}"] if properties.get(p, {}).get("type") == "array" else f"{{{p}}}"
         asks = ", ".join(f"{p.replace('_', ' ')} {{{p}}}" for p in params)
-        verb = writer.name.split("_")[0]
+        verb = name_words(writer.name)[0]
         read = Action(tool=lookup.name, arguments={lookup.key: f"{{x.{table.key}}}"})
         write = Action(tool=writer.name, arguments=arguments)
         tasks.append(
@@ -445,7 +445,7 @@ def _params(function: dict[str, Any]) -> list[str]:
 def _nouns(function: dict[str, Any]) -> list[str]:
     nouns = [m["noun"] for p in _params(function) if (m := _ID_PARAM.match(p))]
     name = function.get("name", "")
-    parts = name.split("_")
+    parts = name_words(name)
     if len(parts) == 2 and guess_role(name) == "read" and not nouns:
         nouns.append(parts[1].removesuffix("s"))  # find_user(email, ...) -> user
     return nouns
@@ -458,7 +458,7 @@ def _target(function: dict[str, Any], tables: Mapping[str, Any]) -> str | None:
         match = _ID_PARAM.match(param)
         if match and match["noun"] in tables and not param.endswith("_ids"):
             return match["noun"]
-    parts = function.get("name", "").split("_")
+    parts = name_words(function.get("name", ""))
     noun = parts[-1].removesuffix("s") if len(parts) > 1 else ""
     return noun if noun in tables else None
 

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from trace_plugin.records.env_spec import TOOL_NAME
+
 MAX_TOKENS = 4096
 MAX_N = 8
 MAX_EMBEDDING_INPUTS = 256
@@ -78,7 +80,7 @@ class ChatMessage(_Lenient):
 
 
 class FunctionSchema(_Lenient):
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
 

@@ -71,11 +71,18 @@ _REFUSAL = re.compile(r"\b(cannot|can't|can not|unable|not (?:possible|allowed|e
 _ID = re.compile(r"^(?=.*\d)[#\w.@:-]{3,}$")
 
 
+def name_words(tool: str) -> list[str]:
+    """A tool name's words, lower case, without its namespace: ``billing.getInvoice``,
+    ``get_invoice`` and ``get-invoice`` are all ``["get", "invoice"]``."""
+    function = re.split(r"[.:]", tool)[-1]
+    return [w.lower() for w in re.split(r"[_\W]+|(?<=[a-z0-9])(?=[A-Z])", function) if w]
+
+
 def guess_role(tool: str, overrides: Mapping[str, Role] | None = None) -> Role:
     """``read``/``write`` from the tool's name (its first word); ``overrides`` win."""
     if overrides and tool in overrides:
         return overrides[tool]
-    first = re.split(r"[_\W]|(?<=[a-z])(?=[A-Z])", tool, maxsplit=1)[0].lower()
+    first = (name_words(tool) or [""])[0]
     if first in _WRITE_VERBS:
         return "write"
     if first in _READ_VERBS:

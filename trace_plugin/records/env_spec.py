@@ -40,6 +40,9 @@ MAX_TOOLS, MAX_TEMPLATES, MAX_SLOTS, MAX_ACTIONS, MAX_POOL = 16, 16, 6, 8, 64
 MAX_TEXT = 2000
 
 Name = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+# A tool's name as agents write them (``pkg.func``, ``getWeather``, ``search-v2``): what the
+# gateway accepts and MCP allows. Tables, columns, slots and parameters stay identifiers.
+TOOL_NAME = r"^[A-Za-z0-9_.:-]{1,128}$"
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]*))?\}")
 _DIGITS = re.compile(r"\{d(\d{1,2})\}")
 
@@ -230,7 +233,8 @@ def _column(column: Column, where: str) -> None:
 
 
 def _tool(spec: EnvSpec, tool: ToolSpec) -> None:
-    _name(tool.name, "tool")
+    if not re.match(TOOL_NAME, tool.name):
+        raise SpecError(f"tool name {tool.name!r} is not a function name (letters, digits, _ . : -)")
     parameters = tool.parameters
     if parameters.get("type", "object") != "object" or not isinstance(parameters.get("properties", {}), dict):
         raise SpecError(f"tool {tool.name}: parameters must be a JSON object schema")
