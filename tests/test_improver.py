@@ -357,3 +357,49 @@ def test_an_expert_no_gradient_reached_is_not_evaluated(sqlite_url, monkeypatch)
         Trained.from_dict(noop.to_dict()) == noop
         and not Trained.from_dict({**noop.to_dict(), "noop": False}).noop
     )
+
+
+def test_a_capability_no_environment_can_exercise_is_passed_over_and_the_next_one_trains(
+    sqlite_url, monkeypatch
+):
+    """Synthesis that finds nothing to exercise a capability with (a SpecError) no longer
+    ends the cycle: that capability is recorded as unsynthesizable, with the reason, and the
+    next selected one is synthesized and trained."""
+    from trace_plugin.environments.retail import POLICY, TOOLS
+    from trace_plugin.environments.synthesis import synthesize
+    from trace_plugin.improver import Mined, Synthesized, Trained, stages
+    from trace_plugin.records.capability import Capability
+    from trace_plugin.records.env_spec import SpecError
+
+    store = Store(sqlite_url)
+    store.upgrade()
+    names = ["communicating_facts", "tool_call_format"]
+    store.save_capabilities("a", [Capability(n, n, "detector", True, {}, mining_run="r1") for n in names])
+    config = ImproverConfig("a", "http://127.0.0.1:9", store.url, calibrate=False)
+    improver = Improver(store, config)
+    monkeypatch.setattr(stages, "mine", lambda _: Mined(selected=names, covered=[], train=names))
+
+    async def prepare(store, agent, capability, **_):
+        if capability.name == "communicating_facts":
+            raise SpecError("the target's tools offer nothing to exercise 'communicating_facts' with")
+        report = {"capability": {"name": capability.name, "mining_run": capability.mining_run}}
+        return store.save_env_spec(
+            agent, synthesize(capability.name, TOOLS, system_prompt=POLICY), "validated", report
+        )
+
+    monkeypatch.setattr(stages, "prepare_environment", prepare)
+    trained: list[str] = []
+
+    def train(improver, cycle, capability, env):
+        trained.append(capability)
+        return Trained("e1", "/adapters/e1", [0.0], [0.0], noop=True)
+
+    monkeypatch.setattr(stages, "train", train)
+    assert improver.run_once() is None
+    assert trained == ["tool_call_format"]
+    jobs = {(j.stage, j.key): j for j in store.jobs("a")}
+    skipped = Synthesized.from_dict(jobs["synthesize", "communicating_facts"].outputs)
+    assert skipped.status == "unsynthesizable" and "nothing to exercise" in skipped.reason
+    assert (
+        jobs["cycle", "all"].outputs["reason"] == "no gradient reached the adapters of ['tool_call_format']"
+    )

@@ -117,12 +117,16 @@ class Improver:
         mined: Mined = await self._job(cycle, "mine", "all", lambda: stages.mine(self))
         experts: dict[str, str] = {}
         noops: list[str] = []
+        untrained: dict[str, str] = {}  # capability -> why its environment cannot train it
         for capability in mined.train:
             env: Synthesized = await self._job(
                 cycle, "synthesize", capability, lambda c=capability: self._synthesize(c)
             )
             if not env.trainable:
-                self.console.log(f"[yellow]{capability}: environment {env.status}; not trained[/]")
+                untrained[capability] = f"environment {env.status}" + (
+                    f": {env.reason}" if env.reason else ""
+                )
+                self.console.log(f"[yellow]{capability}: {untrained[capability]}; not trained[/]")
                 continue
             trained: Trained = await self._job(
                 cycle, "train", capability, lambda c=capability, e=env: stages.train(self, cycle, c, e)
@@ -132,7 +136,13 @@ class Improver:
                 continue
             experts[capability] = trained.expert
         if not experts:
-            reason = f"no gradient reached the adapters of {noops}" if noops else "nothing to train"
+            reason = (
+                f"no gradient reached the adapters of {noops}"
+                if noops
+                else f"no environment to train in: {untrained}"
+                if untrained
+                else "nothing to train"
+            )
             self._finish(cycle, CycleEnd(deployed=None, reason=reason))
             return None
         routing: Routing = await self._job(cycle, "route", "all", lambda: self._route(experts))

@@ -65,7 +65,8 @@ class Synthesized(Output):
     TRAINABLE: ClassVar[tuple[str, ...]] = ("validated", "out_of_band")
     env: str
     version: int
-    status: str
+    status: str  # an env spec's status, or "unsynthesizable": no environment could be built
+    reason: str = ""  # why not, when it was not built
 
     @property
     def trainable(self) -> bool:

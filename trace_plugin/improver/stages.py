@@ -21,7 +21,7 @@ from trace_plugin.improver.errors import DeployError, ImproverError
 from trace_plugin.improver.outputs import Deployed, GateFit, Mined, Routing, Synthesized, Trained
 from trace_plugin.mining.miner import OfflineMiner
 from trace_plugin.records.deployment import Deployment
-from trace_plugin.records.env_spec import EnvSpec
+from trace_plugin.records.env_spec import EnvSpec, SpecError
 from trace_plugin.records.expert import Expert
 from trace_plugin.records.router_spec import (
     ClassifierSpec,
@@ -71,17 +71,20 @@ async def synthesize(improver: Improver, capability: str) -> Synthesized:
                 examples=improver.examples(),
                 recorder=improver.recorder,
             )
-        record = await prepare_environment(
-            store,
-            config.agent,
-            found_capability,
-            play=play,
-            seeds=range(CALIBRATION_SEEDS_START, CALIBRATION_SEEDS_START + config.calibration_seeds),
-            samples=config.calibration_samples,
-            band=Band(attempts=config.calibration_attempts),
-            hint_fraction=training.hint_fraction,
-            progress=improver.console.log,
-        )
+        try:
+            record = await prepare_environment(
+                store,
+                config.agent,
+                found_capability,
+                play=play,
+                seeds=range(CALIBRATION_SEEDS_START, CALIBRATION_SEEDS_START + config.calibration_seeds),
+                samples=config.calibration_samples,
+                band=Band(attempts=config.calibration_attempts),
+                hint_fraction=training.hint_fraction,
+                progress=improver.console.log,
+            )
+        except SpecError as exc:  # this capability cannot be exercised here; the next one may be
+            return Synthesized(env="", version=0, status="unsynthesizable", reason=str(exc))
     improver.console.log(f"{record.spec.name} v{record.version}: {record.status}")
     return Synthesized(env=record.spec.name, version=record.version, status=record.status)
 
