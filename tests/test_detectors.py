@@ -111,6 +111,58 @@ def test_reporting_what_the_tools_said():
     assert label_episode(converse(task.seed, calls, "All good!"))["communicating_facts"] is L
 
 
+def agent_turns(
+    result: str, answer: str, *, name: str = "convert", offered: set[str] | None = None
+) -> Trajectory:
+    """One call of a stateless tool (not retail's), its result, then the agent's answer."""
+    call = {"id": "c1", "type": "function", "function": {"name": name, "arguments": '{"x": 1}'}}
+    messages = [
+        {"role": "user", "content": "Convert 1 km to miles."},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": result},
+        {"role": "assistant", "content": answer},
+    ]
+    return Trajectory.from_messages(messages, {"convert"} if offered is None else offered)
+
+
+def test_an_acknowledgement_is_no_fact_to_report_and_keys_are_not_facts():
+    assert label_episode(agent_turns('{"status": "ok"}', "Done."))["communicating_facts"] is NA
+    reported = agent_turns('{"miles": 0.621, "unit": "mi"}', "That is 0.621 miles.")
+    assert label_episode(reported)["communicating_facts"] is P
+    # Naming the result's keys ("miles", "unit") is not reporting its values.
+    assert (
+        label_episode(agent_turns('{"miles": 0.621}', "I converted it to miles."))["communicating_facts"] is L
+    )
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        '{"error": "1 validation error for convert"}',  # LangChain / pydantic
+        "Error: 'x' is a required property",  # JSON Schema
+        "Error: convert() got an unexpected keyword argument 'y'",  # Python
+        '{"error": "Missing required parameter: unit"}',  # an HTTP API
+        '{"error": "invalid type for x: expected number"}',
+    ],
+)
+def test_argument_errors_in_the_words_other_tools_use_are_format_failures(error):
+    assert label_episode(agent_turns(error, "Sorry."))["tool_call_format"] is L
+
+
+def test_a_refused_action_is_not_a_format_failure():
+    assert label_episode(agent_turns('{"error": "invalid order status"}', "Sorry."))["tool_call_format"] is P
+
+
+def test_names_the_model_made_up_are_not_tools_it_used():
+    from trace_plugin.mining.miner import involved
+
+    invented = agent_turns('{"error": "unknown tool"}', "Hi James.", name="James")
+    real = agent_turns('{"miles": 0.621}', "0.621 miles.")
+    assert invented.offered_calls() == [] and [c.name for c in real.offered_calls()] == ["convert"]
+    assert involved([c for t in (invented, real) for c in t.offered_calls()])[0] == ["convert"]
+    assert agent_turns("x", "y", name="James", offered=set()).offered_calls()  # nothing known: all kept
+
+
 @pytest.mark.parametrize("with_llm_steps", [True, False])
 def test_trajectories_come_from_stored_episodes(with_llm_steps):
     task = task_of("cancel")

@@ -75,6 +75,15 @@ def test_ranking_by_mean_contrast():
     assert ranked == ["strong", "weaker", "absent"]
 
 
+def test_with_no_success_ties_in_contrast_go_to_the_capability_missing_from_more_failures():
+    """No success: every applicable capability's Δ is 1. The one lacking in 8 of 10 failures
+    ranks before the one lacking in 2 (and NA elsewhere), whatever their names."""
+    success = [False] * 10
+    labels = {"a_rare": [L] * 2 + [NA] * 8, "z_common": [L] * 8 + [NA] * 2}
+    ranked = [s.capability for s in select([(labels, success)] * 10)]
+    assert ranked == ["z_common", "a_rare"]
+
+
 def test_bootstrap_resamples_are_deterministic_and_keep_pairs_together():
     labels = {"cap": [L, P, L, P, NA, L]}
     success = [False, True, False, True, True, False]

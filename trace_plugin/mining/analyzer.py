@@ -536,7 +536,8 @@ def _capabilities(
         lacking = sorted(
             (i for i in votes if not success[i] and 2 * votes[i] >= seen[i]), key=lambda i: (-votes[i], i)
         )
-        tools, entities = involved([c for i in lacking for c in Trajectory.from_episode(episodes[i]).calls])
+        calls = [c for i in lacking for c in Trajectory.from_episode(episodes[i]).offered_calls()]
+        tools, entities = involved(calls)
         capabilities.append(
             Capability(
                 name=name,

@@ -108,6 +108,11 @@ class Trajectory:
     final_answer: str | None = None  # the last assistant message without tool calls
     tools_offered: set[str] = field(default_factory=set)
 
+    def offered_calls(self) -> list[Call]:
+        """The calls of tools the agent was offered (all of them when that is unknown): the
+        names a small model makes up ("James", "London, UK") are not tools it used."""
+        return [c for c in self.calls if not self.tools_offered or c.name in self.tools_offered]
+
     @classmethod
     def from_messages(
         cls,
@@ -217,9 +222,19 @@ def _ids(value: Any) -> list[str]:
 Detector = Callable[[Trajectory, Mapping[str, Role]], Label]
 
 
+# How tools and frameworks say a call's arguments were wrong: ours and LangChain's ("bad
+# arguments", "validation error"), JSON Schema's, Python's, and HTTP APIs'. Not "invalid"
+# alone: "invalid order status" is a refused action, not a malformed call.
+_ARGUMENT_ERROR = re.compile(
+    r"argument|parameter|validation|required (?:property|field)|is not of type|unexpected keyword"
+    r"|missing \d* ?required|invalid (?:json|type|input|value for)",
+    re.IGNORECASE,
+)
+
+
 def tool_call_format(t: Trajectory, roles: Mapping[str, Role]) -> Label:
     malformed = any(_MARKUP.search(text) for text in t.assistant_texts)
-    bad_args = any(c.error and ("argument" in c.result or "validation" in c.result) for c in t.calls)
+    bad_args = any(c.error and _ARGUMENT_ERROR.search(c.result) for c in t.calls)
     if malformed or bad_args:
         return Label.LACKING
     return Label.PRESENT if t.calls else Label.NA
@@ -301,14 +316,47 @@ def policy_refusal(t: Trajectory, roles: Mapping[str, Role]) -> Label:
 
 
 def communicating_facts(t: Trajectory, roles: Mapping[str, Role]) -> Label:
-    results = [c.result for c in t.calls if c.result and not c.error]
-    if not results:
+    facts = {fact for c in t.calls if c.result and not c.error for fact in _facts(c.result)}
+    if not facts:  # nothing to report: no results, or only acknowledgements such as {"status": "ok"}
         return Label.NA
     if not t.final_answer:
         return Label.LACKING
-    values = {v for r in results for v in re.findall(r"[\w#@.-]{3,}", r)} - {"error", "true", "false", "null"}
     answer = t.final_answer.lower()
-    return Label.PRESENT if any(v.lower() in answer for v in values) else Label.LACKING
+    return Label.PRESENT if any(fact in answer for fact in facts) else Label.LACKING
+
+
+_NEUTRAL = {
+    "ok",
+    "okay",
+    "success",
+    "succeeded",
+    "successful",
+    "done",
+    "true",
+    "false",
+    "null",
+    "none",
+    "error",
+}
+
+
+def _facts(result: str) -> set[str]:
+    """What a tool's result told the agent, lower case: the words of its values (a JSON
+    result's keys are its shape, not facts), less bare acknowledgements."""
+    try:
+        parsed: Any = json.loads(result)
+    except ValueError:
+        parsed = result
+    words = {w.lower() for value in _leaves(parsed) for w in re.findall(r"[\w#@.-]{3,}", value)}
+    return words - _NEUTRAL
+
+
+def _leaves(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, list):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [] if value is None or isinstance(value, bool) else [str(value)]
 
 
 def termination(t: Trajectory, roles: Mapping[str, Role]) -> Label:

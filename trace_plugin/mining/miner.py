@@ -68,7 +68,7 @@ def mine_episodes(
         lacking_failed = [
             i for i, ok in enumerate(success) if not ok and labels[selection.capability][i] is Label.LACKING
         ]
-        tools, entities = involved([c for i in lacking_failed for c in trajectories[i].calls])
+        tools, entities = involved([c for i in lacking_failed for c in trajectories[i].offered_calls()])
         capabilities.append(
             Capability(
                 name=selection.capability,

@@ -12,7 +12,9 @@ successful ones:
 A run passes when ``Cov ≥ ρ`` and ``Δ ≥ δ``; a capability is selected when it passes in
 at least K of N runs (the paper's defaults: ρ = 0.10, δ = 0.20, K = 8, N = 10). For the
 offline miner, whose detectors are deterministic, the N runs are bootstrap resamples of
-the episodes. Selected capabilities are ranked by mean Δ.
+the episodes. Selected capabilities are ranked by mean Δ, then by mean coverage: with no
+success at all, Δ is just the share of applicable failures that lack a capability, and
+many tie at 1; the one missing from more of the failures explains more of them.
 
 One extension, ours: a deficit every episode shares has Δ = 0, because successes that
 did not need the capability lack it too (a model that cannot format a tool call at all
@@ -124,7 +126,14 @@ def select(runs: Sequence[Run], rule: SelectionRule = DEFAULT_RULE) -> list[Sele
         else:
             results.append(Selection(capability, metrics, passed, passed >= rule.k))
     return sorted(
-        results, key=lambda s: (not s.selected, s.reason != "contrast", -s.mean_contrast, s.capability)
+        results,
+        key=lambda s: (
+            not s.selected,
+            s.reason != "contrast",
+            -s.mean_contrast,
+            -s.mean_coverage,
+            s.capability,
+        ),
     )
 
 
