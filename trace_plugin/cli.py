@@ -227,11 +227,11 @@ app.add_typer(envs_app, name="envs")
 
 
 def _environment(name: str, db: str | None = None) -> Any:
-    from trace_plugin.environments.catalog import UnknownEnvironment, env_factory
+    from trace_plugin.environments.catalog import TargetError, UnknownEnvironment, env_factory
 
     try:
         return env_factory(name, _store(db))
-    except UnknownEnvironment as exc:
+    except (UnknownEnvironment, TargetError) as exc:
         raise typer.BadParameter(str(exc)) from None
 
 
@@ -372,14 +372,17 @@ def capabilities_show(name: str, agent: Annotated[str, typer.Option()], db: DbOp
 
 @envs_app.command("list")
 def envs_list(db: DbOption = None) -> None:
-    """Bundled environments and the synthesized ones in the store (latest versions)."""
-    from trace_plugin.environments.catalog import BUNDLED
+    """Targets (bundled and registered) and the synthesized environments in the store
+    (latest versions)."""
+    from trace_plugin.environments.catalog import BUNDLED, registered_targets
 
     table = Table(title="Environments")
     for column in ("name", "version", "capability", "status", "tools", "templates", "agent"):
         table.add_column(column)
-    for name, factory in BUNDLED.items():
-        table.add_row(name, "bundled", "—", "target", str(len(factory().tools)), "—", "—")
+    for name, target in BUNDLED.items():
+        table.add_row(name, "bundled", "—", "target", str(len(target.factory().tools)), "—", "—")
+    for name in registered_targets():
+        table.add_row(name, "registered", "—", "target", "—", "—", "—")
     seen: set[str] = set()
     for record in _store(db).env_specs():
         if record.spec.name not in seen:
@@ -585,7 +588,13 @@ def improve(
     gateway_url: Annotated[str, typer.Option(help="The gateway serving the agent (no /v1).")],
     adapter_root: Annotated[Path, typer.Option(help="The gateway's adapter root; experts are written here.")],
     watch: Annotated[bool, typer.Option("--watch/--once", help="Keep monitoring and improving.")] = False,
-    target: Annotated[str | None, typer.Option(help="A target environment for held-out evaluation.")] = None,
+    target: Annotated[
+        str | None,
+        typer.Option(
+            help="A target for held-out evaluation: retail, one a package registers"
+            " (entry points trace_plugin.targets), or package.module:attribute."
+        ),
+    ] = None,
     target_tasks: Annotated[int, typer.Option(help="How many of its test tasks to evaluate on.")] = 32,
     rollouts: Annotated[int, typer.Option(help="GRPO rollout budget per expert.")] = 200,
     preset: Annotated[str, typer.Option(help="cpu-small or gpu")] = "cpu-small",
@@ -609,10 +618,13 @@ def improve(
     from trace_plugin.store.lease import LeaseHeld
 
     seeds: list[int] = []
-    if target == "retail":
-        from trace_plugin.environments.retail import TEST_SEEDS
+    if target is not None:
+        from trace_plugin.environments.catalog import TargetError, UnknownEnvironment, load_target
 
-        seeds = list(TEST_SEEDS)[:target_tasks]
+        try:
+            seeds = list(load_target(target).test_seeds)[:target_tasks]
+        except (UnknownEnvironment, TargetError) as exc:
+            raise typer.BadParameter(str(exc), param_hint="--target") from None
     executor = None
     if ray:
         from training.executors import RayExecutor

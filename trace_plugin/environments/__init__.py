@@ -1,5 +1,12 @@
 """Environments: the shared protocol, the bundled retail target, and the runner."""
 
-from trace_plugin.environments.base import Environment, RewardBreakdown, Task, ToolCall, observation_error
+from trace_plugin.environments.base import (
+    Environment,
+    RewardBreakdown,
+    Target,
+    Task,
+    ToolCall,
+    observation_error,
+)
 
-__all__ = ["Environment", "RewardBreakdown", "Task", "ToolCall", "observation_error"]
+__all__ = ["Environment", "RewardBreakdown", "Target", "Task", "ToolCall", "observation_error"]

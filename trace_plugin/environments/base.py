@@ -10,6 +10,7 @@ The same seed and the same calls always give the same observations and reward.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -110,3 +111,17 @@ class Environment(Protocol):
     def reward(self, answer: str = "") -> RewardBreakdown:
         """Grade the episode so far, given the agent's final message to the user."""
         ...
+
+
+@dataclass(frozen=True)
+class Target:
+    """An environment an agent is judged on, and its held-out tasks.
+
+    A package offers one under the entry-point group ``trace_plugin.targets`` (the entry
+    point names a ``Target`` or a function returning one), or anyone names it as
+    ``package.module:attribute``; ``retail`` is bundled.
+    """
+
+    name: str
+    factory: Callable[[], Environment]
+    test_seeds: Sequence[int]

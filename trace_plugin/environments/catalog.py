@@ -1,20 +1,24 @@
 """Which environments exist, and how a capability becomes a validated one.
 
-Bundled environments are code we ship (the retail target); synthesized ones are stored
-specs, looked up by name (their latest version unless one is asked for). Both come out of
-:func:`env_factory` as the same kind of factory, so the runner, the MCP server and the
-trainer never know the difference.
+Targets are the environments agents are judged on (:class:`Target`): the bundled retail
+one, those packages register under the entry-point group ``trace_plugin.targets``, and any
+named as ``package.module:attribute`` (:func:`load_target`). Synthesized environments are
+stored specs, looked up by name (their latest version unless one is asked for). All come
+out of :func:`env_factory` as the same kind of factory, so the runner, the MCP server and
+the trainer never know the difference.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 from typing import Any
 
-from trace_plugin.environments.base import Environment
+from trace_plugin.environments.base import Environment, Target
 from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.environments.proposals import Complete, propose
-from trace_plugin.environments.retail import RetailEnv
+from trace_plugin.environments.retail import TEST_SEEDS, RetailEnv
 from trace_plugin.environments.synthesis import CapturedInterface, synthesize
 from trace_plugin.environments.validation import (
     CALIBRATION_SEEDS,
@@ -29,21 +33,79 @@ from trace_plugin.records.capability import Capability
 from trace_plugin.records.env_spec import EnvSpec, SpecRecord
 from trace_plugin.store import Store
 
-BUNDLED: dict[str, Callable[[], Environment]] = {"retail": RetailEnv}
+TARGET_GROUP = "trace_plugin.targets"
+BUNDLED: dict[str, Target] = {"retail": Target("retail", RetailEnv, tuple(TEST_SEEDS))}
 
 
 class UnknownEnvironment(TracePluginError, LookupError):
     pass
 
 
+class TargetError(TracePluginError, ValueError):
+    """A target that was found but does not work: says what is wrong with it."""
+
+
+def registered_targets() -> list[str]:
+    """The targets installed packages register (entry-point group ``trace_plugin.targets``)."""
+    return sorted({ep.name for ep in entry_points(group=TARGET_GROUP)})
+
+
+def load_target(name: str) -> Target:
+    """The target ``name``: bundled, registered by entry point, or ``package.module:attribute``."""
+    if name in BUNDLED:
+        return BUNDLED[name]
+    if ":" in name:
+        module_name, _, attribute = name.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:  # ImportError, or the module failing as it loads
+            raise TargetError(f"target {name!r}: cannot import {module_name!r}: {exc}") from exc
+        if not hasattr(module, attribute):
+            raise TargetError(f"target {name!r}: module {module_name!r} has no {attribute!r}")
+        return _checked(name, getattr(module, attribute))
+    found = [ep for ep in entry_points(group=TARGET_GROUP) if ep.name == name]
+    if not found:
+        known = ", ".join([*BUNDLED, *registered_targets()])
+        raise UnknownEnvironment(
+            f"unknown target {name!r}; known: {known}; or name one as package.module:attribute"
+        )
+    try:
+        loaded = found[0].load()
+    except Exception as exc:
+        raise TargetError(f"target {name!r} ({found[0].value}) does not load: {exc}") from exc
+    return _checked(name, loaded)
+
+
+def _checked(name: str, loaded: Any) -> Target:
+    """``loaded`` (a Target, or a function returning one) as a Target whose environment works."""
+    target = loaded() if callable(loaded) and not isinstance(loaded, Target | type) else loaded
+    if not isinstance(target, Target):
+        raise TargetError(
+            f"target {name!r} is a {type(target).__name__}, not a trace_plugin.environments.Target "
+            "(or a function returning one): Target(name, factory, test_seeds)"
+        )
+    if not target.test_seeds or not all(isinstance(s, int) for s in target.test_seeds):
+        raise TargetError(f"target {name!r}: test_seeds must be a non-empty sequence of ints")
+    try:
+        env = target.factory()
+        missing = [a for a in ("tools", "system_prompt", "reset", "step", "reward") if not hasattr(env, a)]
+    except Exception as exc:
+        raise TargetError(f"target {name!r}: its factory fails: {type(exc).__name__}: {exc}") from exc
+    if missing:
+        raise TargetError(f"target {name!r}: its environment has no {', '.join(missing)}")
+    return target
+
+
 def env_factory(
     name: str, store: Store | None = None, version: int | None = None
 ) -> Callable[[], Environment]:
-    if name in BUNDLED:
-        return BUNDLED[name]
+    """A factory of the environment ``name``: a target, or a synthesized spec in ``store``."""
+    if name in BUNDLED or ":" in name or name in registered_targets():
+        return load_target(name).factory
     record = store.env_spec(name, version) if store is not None else None
     if record is None:
-        known = sorted(BUNDLED) + sorted({r.spec.name for r in store.env_specs()} if store else set())
+        stored = sorted({r.spec.name for r in store.env_specs()} if store else set())
+        known = [*BUNDLED, *registered_targets(), *stored]
         raise UnknownEnvironment(f"unknown environment {name!r}; known: {', '.join(known)}")
     spec = record.spec
     return lambda: SpecEnv(spec)
