@@ -200,6 +200,16 @@ def test_the_openai_client_gets_tokens_as_they_are_generated(client, embedded_ba
 
 
 @pytest.mark.slow
+def test_the_completions_endpoint_streams_too(client, embedded_backend):
+    ask = {"model": embedded_backend.model_id, "prompt": "The sea is", "temperature": 0, "max_tokens": 12}
+    whole = client.completions.create(**ask)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **ask))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len([t for t in texts if t]) >= 5 and "".join(texts) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+@pytest.mark.slow
 def test_min_tokens_holds_the_reply_open(client, embedded_backend):
     ask = {"model": embedded_backend.model_id, "temperature": 0, "max_tokens": 40}
     ask["messages"] = [{"role": "user", "content": "Say hi."}]

@@ -367,7 +367,9 @@ def create_app(
         ends, the call is recorded as a non-streamed one would be, or as cancelled if the
         client left before the end."""
         n = body.n
-        base = _chunk_base("chat.completion.chunk", call.adapter or backend.model_id, call)
+        base = _head(
+            "chat.completion.chunk", call.adapter or backend.model_id, fingerprint(call.router, call.adapter)
+        )
         readers = [ReplyStream(opening, max_calls=body.max_calls()) for _ in range(n)]
         completions: list[Completion | None] = [None] * n
         replies: list[dict[str, Any]] = [{"role": "assistant", "content": None} for _ in range(n)]
@@ -541,10 +543,10 @@ def create_app(
                 async for chunk in prompt_chunks(body, number * params.n, call, stream, finished):
                     yield chunk
             if body.streams_usage():
-                base = _chunk_base(
-                    "text_completion", first.served or backend.model_id, call_of("", first.served)
-                )
-                yield _sse(base | {"choices": [], "usage": _usage(finished)})
+                call = call_of("", first.served)
+                model = first.served or backend.model_id
+                head = _head("text_completion", model, fingerprint(call.router, call.adapter))
+                yield _sse(head | {"choices": [], "usage": _usage(finished)})
             yield _sse("[DONE]")
         except (BackendError, GatewayError) as exc:
             error = exc if isinstance(exc, GatewayError) else _gateway_error_of(exc)
@@ -560,7 +562,9 @@ def create_app(
         """One prompt's chunks (choices numbered from ``first_index``); its call is recorded
         when its stream ends, as cancelled if the client left before."""
         t0, prompt = time.perf_counter(), call.messages[0]["content"]
-        base = _chunk_base("text_completion", stream.served or backend.model_id, call)
+        base = _head(
+            "text_completion", stream.served or backend.model_id, fingerprint(call.router, call.adapter)
+        )
         texts, done = [""] * body.n, [None] * body.n
         recorded = False
 
@@ -778,15 +782,17 @@ def _envelope(
     completions: list[Completion],
     system_fingerprint: str,
 ) -> dict[str, Any]:
-    prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
+    return _head(kind, model, system_fingerprint) | {"choices": choices, "usage": _usage(completions)}
+
+
+def _head(kind: str, model: str, system_fingerprint: str) -> dict[str, Any]:
+    """The fields a response opens with, which each chunk of a streamed one repeats."""
     return {
-        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "id": f"{'chatcmpl' if kind.startswith('chat.') else 'cmpl'}-{uuid.uuid4().hex}",
         "object": kind,
         "created": int(time.time()),
         "model": model,
         "system_fingerprint": system_fingerprint,
-        "choices": choices,
-        "usage": _usage(completions),
     }
 
 
@@ -828,18 +834,6 @@ def _legacy_logprobs(backend: Backend, completion: Completion) -> dict[str, Any]
 
 def _sse(data: dict[str, Any] | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
-def _chunk_base(kind: str, model: str, call: ModelCall) -> dict[str, Any]:
-    """The fields every chunk of one streamed response repeats."""
-    prefix = "chatcmpl" if kind == "chat.completion.chunk" else "cmpl"
-    return {
-        "id": f"{prefix}-{uuid.uuid4().hex}",
-        "object": kind,
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": fingerprint(call.router, call.adapter),
-    }
 
 
 def _message(parsed: ParsedCompletion) -> dict[str, Any]:
