@@ -93,6 +93,20 @@ class GatewayConfig:
     adapters: dict[str, str] = field(default_factory=dict)  # name@version -> path, loaded at start
 
 
+class EventStream(StreamingResponse):
+    """A streamed response that closes its chunks however it ends. When the client has
+    gone, sending the next chunk fails; closing the chunks then stops the generation at
+    once (and records the call as cancelled), instead of whenever the garbage collector
+    reaches them."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
 @dataclass(slots=True)
 class Stream:
     """A request being streamed: the backend's events, the name its adapters are held under
@@ -320,7 +334,7 @@ def create_app(
             stream = await open_stream(prompt, params, adapter)
             chunks = chat_chunks(body, replace(call, adapter=stream.served), stream, opening, t0)
             headers = {ADAPTER_HEADER: stream.served or "", **({EPISODE_HEADER: episode} if episode else {})}
-            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+            return EventStream(chunks, media_type="text/event-stream", headers=headers)
         completions, served = await generate(prompt, params, adapter)
         choices = []
         for i, c in enumerate(completions):
@@ -493,7 +507,7 @@ def create_app(
             first = await open_stream(prompts[0], params, adapter)
             chunks = completion_chunks(body, prompts, params, adapter, first, call_of)
             headers = {ADAPTER_HEADER: first.served or "", **({EPISODE_HEADER: episode} if episode else {})}
-            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+            return EventStream(chunks, media_type="text/event-stream", headers=headers)
         results: list[Completion] = []
         served = None
         calls: list[tuple[ModelCall, float, list[Completion]]] = []  # the call, its timer, its outputs
