@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import sys
 import tempfile
 import threading
 import time
@@ -47,6 +48,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the examples/ package
+from examples.support_agent.agent import few_shot_messages  # noqa: E402
 from trace_plugin import Recorder
 from trace_plugin.chat_template import REPLY_FORBIDDEN
 from trace_plugin.environments.retail import TEST_SEEDS, TOOLS, RetailEnv
@@ -229,8 +232,6 @@ def time_to_first_token(url: str, model: str, rounds: int) -> tuple[float, float
     """Mean seconds from sending a streamed support-agent request to its first content or
     tool-call delta, and to its last chunk; a first request warms the prefix cache."""
     from langchain_core.messages import convert_to_openai_messages
-
-    from examples.support_agent.agent import few_shot_messages
 
     env = RetailEnv()
     examples = convert_to_openai_messages(few_shot_messages())
