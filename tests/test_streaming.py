@@ -229,8 +229,7 @@ def test_a_streamed_tool_call_comes_as_deltas_and_is_recorded_as_a_plain_call(
     ask |= {"max_tokens": 64, "tool_choice": "required"}
     whole = client.chat.completions.create(**ask)
     [expected] = whole.choices[0].message.tool_calls
-    response = client.chat.completions.with_raw_response.create(stream=True, **ask)
-    chunks = list(response.parse())
+    chunks = list(client.chat.completions.create(stream=True, **ask))
     deltas = [c.choices[0].delta.model_dump(exclude_none=True) for c in chunks if c.choices]
     parts = [p for d in deltas for p in d.get("tool_calls", ())]
     assert parts[0]["function"]["name"] == expected.function.name and parts[0]["id"]

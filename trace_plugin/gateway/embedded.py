@@ -239,10 +239,9 @@ class EmbeddedBackend:
             "output_logits": params.logprobs or params.top_logprobs > 0,
         }
         stops = StopMatcher(params.stop) if params.stop else None
+        # A stop string ends generating there, not just the text afterwards.
         watch = RowWatch(self.tokenizer, len(rows), stops, outputs, eos=self._eos_id)
-        kwargs["stopping_criteria"] = StoppingCriteriaList(
-            [watch]
-        )  # a stop ends generating, not just the text
+        kwargs["stopping_criteria"] = StoppingCriteriaList([watch])
         if params.bad_words:
             kwargs["bad_words_ids"] = forbidden_token_ids(self.tokenizer, params.bad_words)
         if params.temperature > 0:
@@ -430,7 +429,7 @@ class RowWatch:
         self._ids: list[list[int]] = [[] for _ in range(rows)]
         self._offsets = [(0, 0)] * rows  # per row: where the decoded window starts, where reading ended
         self._states = [0] * rows
-        self._texts = [""] * rows  # a streamed row's text so far
+        self._texts = [""] * rows  # each decoded row's text so far
         self._sent = [0] * rows  # how much of it was handed on
         self._done = [False] * rows
         self.cancelled = 0  # rows stopped because nobody wanted them any more
