@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -403,3 +404,120 @@ def test_a_capability_no_environment_can_exercise_is_passed_over_and_the_next_on
     assert (
         jobs["cycle", "all"].outputs["reason"] == "no gradient reached the adapters of ['tool_call_format']"
     )
+
+
+def test_each_cycle_mines_the_traffic_its_live_deployment_served(sqlite_url):
+    """Failures an earlier cycle already answered are not mined again: once a deployment is
+    live, the improver mines only the traffic it served, and finds the next deficit there."""
+    from trace_plugin.environments.planted import corpus
+    from trace_plugin.improver import stages
+
+    store = Store(sqlite_url)
+    store.upgrade()
+
+    def traffic(policies: tuple[str, ...], seeds: range, start) -> None:
+        episodes = corpus(list(seeds), policies)
+        for i, e in enumerate(episodes):
+            e.started_at = start + timedelta(seconds=i)
+        store.write([r for e in episodes for r in (e, *e.steps)])
+
+    improver = Improver(store, ImproverConfig("planted", "http://127.0.0.1:9", store.url, max_experts=1))
+    before = utcnow() - timedelta(hours=1)
+    traffic(("competent", "invents_ids"), range(40), before)
+    first = stages.mine(improver)
+    assert first.selected == ["argument_grounding"] and first.train == ["argument_grounding"]
+
+    store.make_live(Deployment("c1", "planted", "live", adapters={"argument_grounding": "ag@1"}))
+    assert stages.mine(improver).selected == []  # nothing served by c1 yet
+    traffic(("competent", "withholds_facts"), range(40, 80), utcnow() + timedelta(seconds=1))
+    second = stages.mine(improver)
+    assert "communicating_facts" in second.selected and "argument_grounding" not in second.selected
+    assert second.train == second.selected[:1] and second.covered == ["argument_grounding"]
+
+
+def test_a_deployed_candidate_is_measured_once_on_the_target(sqlite_url, monkeypatch):
+    """The cycle's evaluation played the candidate on the target's tasks; once it is live,
+    that is the live deployment's measurement, and the next cycle does not play it again."""
+    from trace_plugin.improver import (
+        Deployed,
+        Evaluation,
+        Mined,
+        Routing,
+        Summary,
+        Synthesized,
+        TargetScores,
+        Trained,
+        stages,
+    )
+    from trace_plugin.improver import evaluation as evaluation_module
+    from trace_plugin.records.router_spec import StaticSpec
+
+    store = Store(sqlite_url)
+    store.upgrade()
+    played: list[str] = []
+
+    async def evaluator(model, seeds):
+        played.append(model)
+        return []
+
+    config = ImproverConfig("a", "http://127.0.0.1:9", store.url, target_seeds=[1, 2])
+    improver = Improver(store, config, evaluator=evaluator)
+    monkeypatch.setattr(stages, "mine", lambda _: Mined(selected=["fmt"], covered=[], train=["fmt"]))
+
+    async def synthesized(capability):
+        return Synthesized(env="fmt-env", version=1, status="validated")
+
+    async def routed(experts):
+        return Routing(StaticSpec(adapter="fmt@1"))
+
+    base = Summary(n=2, success=0.0, by_kind={"lookup": 0.0}, episodes=[])
+    better = Summary(n=2, success=1.0, by_kind={"lookup": 1.0}, episodes=[])
+
+    async def evaluated(improver, cycle, experts, routing):
+        return Evaluation({"fmt": "fmt@1"}, routing.router, {}, TargetScores(current=base, candidate=better))
+
+    async def deployed(deployment):
+        store.make_live(deployment)
+        return Deployed(deployment.id)
+
+    monkeypatch.setattr(improver, "_synthesize", synthesized)
+    monkeypatch.setattr(stages, "train", lambda *_: Trained("e1", "/adapters/fmt/e1", [0.0], [0.0]))
+    monkeypatch.setattr(improver, "_route", routed)
+    monkeypatch.setattr(evaluation_module, "evaluate", evaluated)
+    monkeypatch.setattr(improver, "_deploy", deployed)
+    deployment = improver.run_once()
+    assert deployment is not None and improver.live().id == deployment.id
+    assert asyncio.run(improver.live_summary()) == better and played == []
+
+
+def test_a_restarted_gateway_is_given_the_live_deployment_again(sqlite_url, monkeypatch):
+    """A gateway starts on the base model: restore loads the live adapters, then its router."""
+    from trace_plugin.improver import DeployError
+    from trace_plugin.records.expert import Expert
+
+    store = Store(sqlite_url)
+    store.upgrade()
+    improver = Improver(store, ImproverConfig("a", "http://127.0.0.1:9", store.url))
+    calls: list[tuple] = []
+
+    async def ensure_adapter(name, path):
+        calls.append(("load", name, path))
+
+    async def set_router(spec, *, name=None):
+        calls.append(("route", spec))
+
+    monkeypatch.setattr(improver.gateway, "ensure_adapter", ensure_adapter)
+    monkeypatch.setattr(improver.gateway, "set_router", set_router)
+    assert asyncio.run(improver.restore()) is None and calls == []  # nothing live: the base model
+
+    expert = Expert("a", "fmt", "fmt-env", 1, "embedded", "", {}, status="ready")
+    expert.adapter_path = "/adapters/fmt/e1"
+    store.save_expert(expert)
+    router = {"kind": "static", "adapter": expert.adapter_name}
+    store.make_live(Deployment("c1", "a", "live", adapters={"fmt": expert.adapter_name}, router=router))
+    assert asyncio.run(improver.restore()).id == "c1"
+    assert calls == [("load", expert.adapter_name, "/adapters/fmt/e1"), ("route", router)]
+
+    store.make_live(Deployment("c2", "a", "live", adapters={"fmt": "gone@1"}, router=router))
+    with pytest.raises(DeployError, match="gone@1"):
+        asyncio.run(improver.restore())

@@ -163,6 +163,9 @@ class Improver:
         )
         if verdict.accept:
             await self._job(cycle, "deploy", "all", lambda: self._deploy(deployment))
+            if scores.target is not None:  # now the live deployment's measurement: not played again
+                measured, key = scores.target.candidate, evaluation.live_key(cycle, self.config.target_seeds)
+                await self._job("evaluations", "target", key, lambda: measured)
         else:
             self.store.save_deployment(deployment)
             self.console.log(f"[yellow]deployment {cycle} rejected: {'; '.join(verdict.reasons)}[/]")
@@ -238,6 +241,10 @@ class Improver:
 
     async def _chat_evaluator(self, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
         return await evaluation.chat_evaluator(self, model, seeds)
+
+    async def restore(self) -> Deployment | None:
+        """Serve the live deployment again on a restarted gateway; None when nothing is live."""
+        return await stages.restore(self)
 
     async def live_summary(self) -> Summary:
         """The live deployment on the target's held-out tasks, measured once per deployment."""

@@ -38,10 +38,13 @@ if TYPE_CHECKING:
 
 
 def mine(improver: Improver) -> Mined:
-    """Mine the agent's traffic; train the best selected capabilities the live deployment lacks."""
-    capabilities = OfflineMiner(improver.store).mine(improver.config.agent)
-    selected = [c.name for c in capabilities if c.selected]
+    """Mine the traffic the live deployment served (all of it before the first), and train
+    the best selected capabilities it lacks: each cycle looks for the improved agent's next
+    deficit, not for the failures an earlier cycle already answered."""
     live = improver.live()
+    since = live.updated_at if live else None  # when it went live
+    capabilities = OfflineMiner(improver.store).mine(improver.config.agent, since=since)
+    selected = [c.name for c in capabilities if c.selected]
     covered = set(live.adapters) if live else set()
     train = [c for c in selected if c not in covered][: improver.config.max_experts]
     improver.console.log(f"selected {selected or 'nothing'}; training {train or 'nothing'}")
@@ -258,6 +261,21 @@ async def deploy(improver: Improver, deployment: Deployment) -> Deployed:
     improver.store.make_live(deployment)
     improver.console.log(f"[green]deployed {deployment.id}[/]: {deployment.adapters}")
     return Deployed(deployment=deployment.id)
+
+
+async def restore(improver: Improver) -> Deployment | None:
+    """Serve the live deployment again on a gateway that restarted (one starts on the base
+    model): its adapters, then its router. None when nothing is live."""
+    live = improver.live()
+    if live is None:
+        return None
+    paths = {e.adapter_name: e.adapter_path for e in improver.store.experts(improver.config.agent)}
+    for name in live.adapters.values():
+        if not paths.get(name):
+            raise DeployError(f"the live adapter {name} has no trained expert in the store to load")
+        await improver.gateway.ensure_adapter(name, paths[name])
+    await improver.gateway.set_router(live.router)
+    return live
 
 
 def derived_id(cycle: str, capability: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from trace_plugin.mining.detectors import Call, Role, Trajectory
 from trace_plugin.mining.kinds import KINDS, label_episode
@@ -42,8 +43,13 @@ class OfflineMiner:
     roles: Mapping[str, Role] | None = None  # tool name -> read/write, where names mislead
     seed: int = 0
 
-    def mine(self, agent: str, *, limit: int | None = None, save: bool = True) -> list[Capability]:
-        episodes = [e for e in self.store.load_episodes(agent, limit=limit) if outcome(e) is not None]
+    def mine(
+        self, agent: str, *, limit: int | None = None, since: datetime | None = None, save: bool = True
+    ) -> list[Capability]:
+        """Mine the agent's episodes with a known outcome (at most ``limit``, the newest,
+        started at ``since`` or later)."""
+        episodes = self.store.load_episodes(agent, limit=limit, since=since)
+        episodes = [e for e in episodes if outcome(e) is not None]
         capabilities = mine_episodes(episodes, rule=self.rule, roles=self.roles, seed=self.seed)
         if save:
             self.store.save_capabilities(agent, capabilities)

@@ -339,9 +339,14 @@ class Store:
             schemas = [r[0] for r in conn.execute(query)]
         return sorted(schemas, key=_tool_name)
 
-    def load_episodes(self, agent: str, *, limit: int | None = None, finished: bool = True) -> list[Episode]:
-        """An agent's episodes with their steps, newest first, in two queries."""
+    def load_episodes(
+        self, agent: str, *, limit: int | None = None, finished: bool = True, since: datetime | None = None
+    ) -> list[Episode]:
+        """An agent's episodes with their steps (those started at ``since`` or later), newest
+        first, in two queries."""
         query = select(t.episodes).where(t.episodes.c.agent == agent)
+        if since is not None:
+            query = query.where(t.episodes.c.started_at >= since)
         if finished:
             query = query.where(t.episodes.c.status != "running")
         query = query.order_by(t.episodes.c.started_at.desc(), t.episodes.c.id).limit(limit)
