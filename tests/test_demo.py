@@ -12,8 +12,8 @@ from trace_plugin.store import Store
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)  # a few minutes alone; mining may or may not select something from 4 tasks
-def test_demo_measures_before_and_after_around_one_cycle_and_writes_its_reports(tmp_path, monkeypatch):
+@pytest.mark.timeout(2400)  # five minutes alone; mining may or may not select something from 4 tasks
+def test_demo_measures_before_and_after_each_of_two_cycles_and_writes_its_reports(tmp_path, monkeypatch):
     tiny = Preset(
         test_tasks=2,
         traffic_tasks=4,
@@ -23,21 +23,33 @@ def test_demo_measures_before_and_after_around_one_cycle_and_writes_its_reports(
         calibration_samples=1,
         calibration_attempts=1,
         eval_seeds=1,
+        cycles=2,
     )
     monkeypatch.setitem(demo.PRESETS, "tiny", tiny)
     home, out = tmp_path / "home", tmp_path / "out"
     report = demo.main("tiny", home=home, out=out)
 
     assert report["before"]["n"] == report["after"]["n"] == 2
-    assert set(report["seconds"]) == {"before", "traffic", "improve", "after", "total"}
+    assert set(report["seconds"]) == {
+        "before",
+        *(f"{stage} {n}" for stage in ("traffic", "improve", "after") for n in (1, 2)),
+        "total",
+    }
     store = Store(f"sqlite:///{home / 'trace.db'}")
     traffic = store.load_episodes(AGENT)
-    assert len(traffic) == 4  # recorded by the decorated agent as deployed, each with its reward
+    assert len(traffic) == 8  # two cycles of 4, recorded by the decorated agent as deployed, with rewards
     assert all(e.reward is not None for e in traffic)
-    # Whatever the cycle decided is on record, and the reports agree with what is returned.
+    # Each cycle is reported as its jobs recorded it; the last one's "after" is the report's.
+    cycles = report["cycles"]
+    assert [c["cycle"] for c in cycles] == [j.cycle for j in store.jobs(AGENT) if j.stage == "cycle"]
+    assert cycles[-1]["after"] == report["after"]
+    for c in cycles:
+        assert set(c["trained"]) <= set(c["mined"]) and c["deployed"] == (c["outcome"] == "made live")
+    # Whatever the cycles decided is on record, and the reports agree with what is returned.
     assert [d["id"] for d in report["decisions"]] == [d.id for d in store.deployments(AGENT)]
     assert json.loads((out / "demo.json").read_text())["after"] == json.loads(json.dumps(report["after"]))
-    assert f"**{report['after']['success']:.2f}**" in (out / "demo.md").read_text()
+    markdown = (out / "demo.md").read_text()
+    assert f"**{report['after']['success']:.2f}**" in markdown and "| 2 | " in markdown
     assert (out / "demo.png").read_bytes().startswith(b"\x89PNG")
 
 
@@ -63,6 +75,7 @@ def test_the_report_flags_an_expert_whose_unhinted_reward_never_rose_beside_its_
         "environments": [],
         "experts": [expert, learned],
         "decisions": [],
+        "cycles": [],
     }
     lines = demo.markdown(report).splitlines()
     [flagged] = [line for line in lines if "(e1)" in line]

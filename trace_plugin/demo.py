@@ -3,10 +3,13 @@
 1. start the gateway (the embedded SmolLM2-135M, runtime LoRA, routing);
 2. run the example LangGraph support agent (the one-line decorator) on the retail test
    split: the "before" number;
-3. run it on the train split: production traffic, captured with its rewards;
+3. run it on train-split tasks: production traffic, captured with its rewards;
 4. improve: mine, synthesize and validate, train, judge, hot-swap into the running gateway;
-5. run the same agent on the same test tasks again;
-6. print before/after per task kind and per capability; write a markdown report and a plot.
+5. measure the same agent on the same test tasks again;
+6. repeat 3-5 for each further cycle (the default preset runs two): fresh traffic from the
+   agent as it now is, so each cycle mines the improved agent's next deficit;
+7. print before/after per task kind, per capability and per cycle; write a markdown
+   report and a plot.
 
 Test runs are recorded as agent ``eval:support-agent`` so they never feed mining.
 Every number is measured in this run; nothing is fixed in advance.
@@ -31,7 +34,9 @@ from rich.table import Table
 import trace_plugin
 from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv
 from trace_plugin.environments.runner import EpisodeResult, LangGraphAgent, Runner, summarize
-from trace_plugin.improver import Improver, ImproverConfig, summary
+from trace_plugin.improver import Improver, ImproverConfig
+from trace_plugin.improver.outputs import Mined
+from trace_plugin.records.job import job_id
 from trace_plugin.records.outcome import reward_succeeds
 from trace_plugin.store import Store, data_dir
 
@@ -49,27 +54,69 @@ class Preset:
     calibration_samples: int
     calibration_attempts: int
     eval_seeds: int  # held-out seeds per synthesized environment
+    cycles: int = 1  # improvement cycles, each on fresh traffic from the agent as it then is
 
 
 PRESETS = {
     "quick": Preset(8, 24, 24, 1, 4, 2, 1, 4),
-    "default": Preset(24, 48, 64, 2, 4, 2, 2, 8),
+    "default": Preset(24, 48, 64, 2, 4, 2, 2, 8, cycles=2),
 }
+
+
+@dataclass(frozen=True)
+class CycleReport:
+    """One improvement cycle as the demo reports it."""
+
+    cycle: str
+    traffic_success: float  # the captured traffic it mined, served by the agent as it was
+    mined: list[str]  # capabilities selected by mining
+    trained: list[str]  # those it trained experts for
+    adapters: dict[str, str]  # what it composed: capability -> adapter
+    router: str | None  # the router kind it composed them with
+    deployed: bool
+    outcome: str  # made live, or why not
+    after: dict[str, Any]  # the live agent on the test tasks afterwards (summary, no episodes)
+
+
+def cycle_report(store: Store, cycle: str, traffic_success: float, after: dict[str, Any]) -> CycleReport:
+    """What the improver's jobs recorded for ``cycle``."""
+    end = store.job(job_id(cycle, "cycle", "all"))
+    mine = store.job(job_id(cycle, "mine", "all"))
+    mined = Mined.from_dict(mine.outputs) if mine and mine.outputs else Mined([], [], [])
+    deployment = next((d for d in store.deployments(AGENT) if d.id == cycle), None)
+    deployed = bool(end and end.outputs and end.outputs.get("deployed"))
+    if deployed:
+        outcome = "made live"
+    elif deployment is not None:
+        outcome = "rejected: " + "; ".join(deployment.reasons)
+    else:
+        outcome = "nothing deployed: " + str((end.outputs or {}).get("reason") if end else "unfinished")
+    return CycleReport(
+        cycle=cycle,
+        traffic_success=traffic_success,
+        mined=mined.selected,
+        trained=mined.train,
+        adapters=dict(deployment.adapters) if deployment else {},
+        router=deployment.router.get("kind") if deployment else None,
+        deployed=deployed,
+        outcome=outcome,
+        after=after,
+    )
 
 
 class SupportStack:
     """The demo's world: a store, the embedded model behind the gateway, and the example
     support agent pointed at it. The improvement benchmark runs on the same stack."""
 
-    def __init__(self, home: Path, console: Console) -> None:
+    def __init__(self, home: Path, console: Console, *, fresh: bool = True) -> None:
         from trace_plugin.gateway.app import GatewayConfig, create_app
         from trace_plugin.gateway.embedded import EmbeddedBackend
         from trace_plugin.gateway.server import start_in_thread
 
-        if home.exists():
-            shutil.rmtree(home)  # every run starts from an empty store and no experts
+        if fresh and home.exists():
+            shutil.rmtree(home)  # an empty store and no experts; else a resumed run keeps both
         self.adapter_root = home / "adapters"
-        self.adapter_root.mkdir(parents=True)
+        self.adapter_root.mkdir(parents=True, exist_ok=True)
         self.console = console
         self.db = f"sqlite:///{home / 'trace.db'}"
         self.store = Store(self.db)
@@ -164,25 +211,30 @@ def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | No
         before = asyncio.run(improver.live_summary()).to_dict()
         timings["before"] = time.monotonic() - mark
 
-        console.rule("[bold]3. production traffic: the train split")
-        mark = time.monotonic()
-        traffic_results = stack.traffic(list(TRAIN_SEEDS)[: preset.traffic_tasks])
-        console.print(summarize(traffic_results, "Captured traffic"))
-        timings["traffic"] = time.monotonic() - mark
+        cycles: list[CycleReport] = []
+        for n in range(1, preset.cycles + 1):
+            console.rule(f"[bold]3. cycle {n}: production traffic, train-split tasks not seen before")
+            mark = time.monotonic()
+            seeds = list(TRAIN_SEEDS)[(n - 1) * preset.traffic_tasks : n * preset.traffic_tasks]
+            traffic_results = stack.traffic(seeds)
+            console.print(summarize(traffic_results, f"Captured traffic, cycle {n}"))
+            timings[f"traffic {n}"] = time.monotonic() - mark
 
-        console.rule("[bold]4. improve: mine, synthesize, train, route, evaluate, deploy")
-        mark = time.monotonic()
-        deployment = improver.run_once()
-        timings["improve"] = time.monotonic() - mark
+            console.rule(f"[bold]4. cycle {n}: mine, synthesize, train, route, evaluate, deploy")
+            mark = time.monotonic()
+            improver.run_once()
+            timings[f"improve {n}"] = time.monotonic() - mark
 
-        console.rule("[bold]5. after: the same agent, same test tasks")
-        mark = time.monotonic()
-        after = summary(asyncio.run(stack.evaluate("default", test))).to_dict()
-        timings["after"] = time.monotonic() - mark
+            console.rule(f"[bold]5. cycle {n}: after, the same test tasks")
+            mark = time.monotonic()
+            after = _strip(asyncio.run(improver.live_summary()).to_dict())
+            timings[f"after {n}"] = time.monotonic() - mark
+            cycle = [j.cycle for j in store.jobs(AGENT) if j.stage == "cycle"][-1]
+            traffic_success = sum(reward_succeeds(r.reward.total) for r in traffic_results) / len(seeds)
+            cycles.append(cycle_report(store, cycle, traffic_success, after))
     finally:
         stack.stop()
 
-    traffic_success = sum(reward_succeeds(r.reward.total) for r in traffic_results) / len(traffic_results)
     held_out = {  # the latest evaluation of each capability
         capability: scores
         for d in store.deployments(AGENT)
@@ -193,8 +245,8 @@ def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | No
         "settings": asdict(preset),
         "model": backend.model_id,
         "before": _strip(before),
-        "after": _strip(after),
-        "traffic_success": traffic_success,
+        "after": cycles[-1].after,
+        "cycles": [asdict(c) for c in cycles],
         "capabilities": [
             {
                 "name": c.name,
@@ -219,7 +271,6 @@ def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | No
             }
             for e in store.experts(AGENT)
         ],
-        "deployment": None if deployment is None else {"id": deployment.id, "adapters": deployment.adapters},
         "decisions": [
             asdict(d) | {"created_at": str(d.created_at), "updated_at": str(d.updated_at)}
             for d in store.deployments(AGENT)
@@ -298,6 +349,12 @@ def _print(console: Console, report: dict[str, Any]) -> None:
             _held_out(expert) if expert.get("held_out") else "—",
         )
     console.print(experts)
+    cycles = Table(title="Cycles")
+    for column in ("cycle", "traffic success", "mined", "trained", "composed", "outcome", "test success"):
+        cycles.add_column(column)
+    for n, c in enumerate(report["cycles"], 1):
+        cycles.add_row(str(n), *_cycle_cells(c))
+    console.print(cycles)
     for d in report["decisions"]:
         console.print(f"deployment {d['id']}: {d['status']} {'; '.join(d['reasons'])}")
 
@@ -328,6 +385,12 @@ def markdown(report: dict[str, Any]) -> str:
             for c in report["capabilities"]
         ),
         "",
+        "## Cycles",
+        "",
+        "| cycle | traffic success | mined | trained | composed | outcome | test success |",
+        "|---|---:|---|---|---|---|---:|",
+        *(f"| {n} | " + " | ".join(_cycle_cells(c)) + " |" for n, c in enumerate(report["cycles"], 1)),
+        "",
         "## Environments, experts and deployments",
         "",
         *(f"- environment {e['name']} v{e['version']}: {e['status']}" for e in report["environments"]),
@@ -343,6 +406,19 @@ def markdown(report: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _cycle_cells(cycle: dict[str, Any]) -> list[str]:
+    """A cycle's row: what it mined, trained and composed, and the success rate after it."""
+    adapters = ", ".join(cycle["adapters"].values())
+    return [
+        f"{cycle['traffic_success']:.2f}",
+        ", ".join(cycle["mined"]) or "—",
+        ", ".join(cycle["trained"]) or "—",
+        f"{adapters} ({cycle['router']})" if adapters else "—",
+        cycle["outcome"],
+        f"{cycle['after']['success']:.2f}",
+    ]
 
 
 def _unhinted(expert: dict[str, Any]) -> str:
