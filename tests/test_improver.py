@@ -521,3 +521,11 @@ def test_a_restarted_gateway_is_given_the_live_deployment_again(sqlite_url, monk
     store.make_live(Deployment("c2", "a", "live", adapters={"fmt": "gone@1"}, router=router))
     with pytest.raises(DeployError, match="gone@1"):
         asyncio.run(improver.restore())
+
+
+def test_a_relative_adapter_root_is_made_absolute(tmp_path, monkeypatch):
+    """Experts are loaded by their stored path; a relative one would be resolved under the
+    gateway's own adapter root and not found."""
+    monkeypatch.chdir(tmp_path)
+    config = ImproverConfig("a", "http://127.0.0.1:9", "adapters")
+    assert config.adapter_root == tmp_path.resolve() / "adapters"

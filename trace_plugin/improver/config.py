@@ -64,6 +64,9 @@ class ImproverConfig:
     lease_ttl: float = 30.0  # on SQLite, how long a killed improver keeps others out
 
     def __post_init__(self) -> None:
+        # Absolute: experts are loaded by their stored path, which a gateway would resolve
+        # under its own adapter root were it relative.
+        self.adapter_root = Path(self.adapter_root).resolve()
         if self.router not in get_args(Router):
             raise ValueError(f"router must be one of {get_args(Router)}, not {self.router!r}")
         if not isinstance(self.training, ExpertTrainingConfig):
