@@ -1,29 +1,36 @@
 """The headline comparison, at small scale: does TRACE beat plain GRPO at the same budget?
 
 On the demo's stack (the embedded SmolLM2-135M behind the gateway, the example LangGraph
-support agent, the retail target), after capturing train-split traffic:
+support agent, the retail target), over one or more improvement cycles, each on fresh
+train-split traffic from the agent as it then is:
 
 1. base: the agent as it is;
-2. GRPO on the target: one LoRA trained on the retail train split, with the whole budget;
+2. GRPO on the target: one LoRA trained on the retail train split with as many rollouts as
+   TRACE's experts used in all cycles;
 3. one LoRA on the union of the synthesized environments (the paper's single-adapter ablation);
 4. TRACE, exactly as the improver runs it (mine, synthesize and calibrate, one expert per
-   mined capability with the budget split between them, route, evaluate), with the
-   improver's router (``trace_mixture``: the base model as classifier over retrieved
-   candidates, a top-p weighted mixture; one expert takes everything), with the hard top-1
-   classifier (``trace_classifier``, the ablation) and with the learned per-layer gate
-   fitted on practice tasks of the synthesized environments (``trace_gate``);
+   selected capability, route, evaluate, deploy; each cycle mines the traffic its live
+   deployment served), with the improver's router (``trace_mixture``: the base model as
+   classifier over retrieved candidates, a top-p weighted mixture; one expert takes
+   everything), with the hard top-1 classifier (``trace_classifier``, the ablation) and with
+   the learned per-layer gate fitted on practice tasks of the synthesized environments
+   (``trace_gate``);
 5. the oracle: per test task, the best of the base, every expert and the mixture the
    improver's router chose.
 
-All rows use the same test tasks, greedy decoding, the same training settings as the
-improver's, and at most the same number of rollouts. Success rates come with 95% bootstrap
-intervals over tasks, and the default TRACE row (``trace_mixture``, chosen in advance)
-with paired intervals of its gain over the base and over GRPO on the target; TRACE's
-calibration plays are counted apart from the rollout budget. Router accuracy is each
-router's agreement with the oracle's choice on tasks where one choice was strictly best
-(a per-layer mixture counts as its largest share).
+All rows use the same test tasks, greedy decoding and the improver's training settings.
+Each model is played once on the test tasks and every row comes from those per-task
+results. Success rates come with 95% bootstrap intervals over tasks, and the default TRACE
+row (``trace_mixture``, chosen in advance) with paired intervals of its gain over the base
+and over GRPO on the target; TRACE's calibration plays are counted apart from the rollout
+budget. Router accuracy is each router's agreement with the oracle's choice on tasks where
+one choice was strictly best (a per-layer mixture counts as its largest share).
 
-    python bench/improvement.py [--quick] [--budget ROLLOUTS] [--tasks N] [--traffic N]
+Every stage's result is kept under the run's folder (``--out``): run the same command again
+after a kill and it picks up where it stopped (``--fresh`` starts over).
+
+    python bench/improvement.py [--quick] [--tasks N] [--traffic N] [--cycles N] [--budget ROLLOUTS]
+                                [--out DIR] [--fresh]
 """
 
 from __future__ import annotations
@@ -32,10 +39,11 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import sys
-import tempfile
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from trace_plugin.demo import AGENT, PRESETS, Preset, SupportStack  # noqa: E402
+from trace_plugin.demo import AGENT, PRESETS, Preset, SupportStack, cycle_report  # noqa: E402
 from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall  # noqa: E402
 from trace_plugin.environments.interpreter import SpecEnv, worked_example  # noqa: E402
 from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv  # noqa: E402
@@ -52,16 +60,16 @@ from trace_plugin.gateway.adapters import split_name  # noqa: E402
 from trace_plugin.gateway.admin import GatewayAdmin  # noqa: E402
 from trace_plugin.gateway.routing import router_from_spec  # noqa: E402
 from trace_plugin.improver import TRAINING_SEEDS, router_spec  # noqa: E402
-from trace_plugin.mining.miner import OfflineMiner  # noqa: E402
+from trace_plugin.records.deployment import Deployment  # noqa: E402
 from trace_plugin.records.env_spec import EnvSpec  # noqa: E402
 from trace_plugin.records.mixture import Mixture  # noqa: E402
 from trace_plugin.records.outcome import reward_succeeds  # noqa: E402
 from training.lora import is_noop  # noqa: E402
 
-# The budget per method is ``rollouts`` times ``max_experts``. Quick is the demo's. The default
-# plays two test tasks per kind, and 64 traffic tasks because at 48 the mined deficit passed
-# the rule in 7 of 10 runs, one short of K. It takes about 52 minutes here (README).
-BENCH_PRESETS = {"quick": PRESETS["quick"], "default": Preset(16, 64, 24, 2, 4, 2, 2, 8)}
+# Quick is the demo's (one cycle). The default plays 48 test tasks (six per kind) over two
+# cycles of 64 traffic tasks each (at 48 the mined deficit passed the rule in 7 of 10
+# runs, one short of K), with 24 rollouts per expert.
+BENCH_PRESETS = {"quick": PRESETS["quick"], "default": Preset(48, 64, 24, 2, 4, 2, 2, 8, cycles=2)}
 RETAIL_TURNS, RETAIL_TOKENS = 6, 96  # the support agent's horizon and reply length, as served
 
 
@@ -106,38 +114,105 @@ def paired_gain(method: list[float], baseline: list[float]) -> tuple[float, floa
     return bootstrap([m - b for m, b in zip(method, baseline, strict=True)])
 
 
+class Results:
+    """Each stage's result as JSON under the run's folder: a re-run picks up where one stopped."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def get(self, key: str, compute: Callable[[], Any]) -> Any:
+        path = self.folder / f"{key}.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+        value = compute()
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(value))
+        partial.replace(path)
+        return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--budget", type=int, help="total GRPO rollouts per method")
+    parser.add_argument("--budget", type=int, help="rollouts for GRPO on the target (default: TRACE's)")
     parser.add_argument("--tasks", type=int, help="retail test tasks")
-    parser.add_argument("--traffic", type=int, help="retail train tasks captured as traffic")
+    parser.add_argument("--traffic", type=int, help="retail train tasks captured as traffic per cycle")
+    parser.add_argument("--cycles", type=int, help="improvement cycles")
+    parser.add_argument("--out", type=Path, help="the run's folder (default: bench-out/improvement-PRESET)")
+    parser.add_argument(
+        "--fresh", action="store_true", help="start over instead of resuming the folder's run"
+    )
     args = parser.parse_args()
-    preset = BENCH_PRESETS["quick" if args.quick else "default"]
-    budget = args.budget or preset.rollouts * preset.max_experts
-    preset = replace(preset, test_tasks=args.tasks or preset.test_tasks)
-    preset = replace(preset, traffic_tasks=args.traffic or preset.traffic_tasks)
-    console = Console()
+    name = "quick" if args.quick else "default"
+    preset = BENCH_PRESETS[name]
+    preset = replace(
+        preset,
+        test_tasks=args.tasks or preset.test_tasks,
+        traffic_tasks=args.traffic or preset.traffic_tasks,
+        cycles=args.cycles or preset.cycles,
+    )
+    # Absolute: the gateway resolves a relative adapter path under its adapter root.
+    out = (args.out or Path("bench-out") / f"improvement-{name}").resolve()
+    if args.fresh and out.exists():
+        shutil.rmtree(out)
+    settings = {"preset": asdict(preset), "budget": args.budget}
+    if (out / "settings.json").is_file() and json.loads((out / "settings.json").read_text()) != settings:
+        raise SystemExit(f"{out} holds a run with other settings: pass --fresh or another --out")
+    results = Results(out / "results")
+    (out / "settings.json").write_text(json.dumps(settings))
+    console = Console(width=None if sys.stdout.isatty() else 160)  # a log keeps whole table cells
     started = time.monotonic()
-    home = Path(tempfile.mkdtemp(prefix="trace-bench-"))
-    stack = SupportStack(home / "stack", console)
+    stack = SupportStack(out / "stack", console, fresh=not (out / "results" / "base.json").is_file())
     store = stack.store
     test = list(TEST_SEEDS)[: preset.test_tasks]
     try:
-        stack.traffic(list(TRAIN_SEEDS)[: preset.traffic_tasks])
-        # TRACE splits the budget between the experts it will train: as many as mining selects.
-        selected = [c for c in OfflineMiner(store).mine(AGENT, save=False) if c.selected]
-        per_expert = budget // max(min(len(selected), preset.max_experts), 1)
-        improver = stack.improver(replace(preset, rollouts=per_expert), test)
-        improver.run_once()
-        deployments = store.deployments(AGENT)  # the cycle's, accepted or not; none if nothing trained
-        cycle = deployments[-1] if deployments else None
-        experts = cycle.adapters if cycle else {}  # capability -> served adapter name
+        improver = stack.improver(preset, test)
+        asyncio.run(improver.restore())  # a resumed run: the gateway serves what was live
+        admin = GatewayAdmin(stack.server.url)
+
+        def success(model: str) -> list[float]:
+            return _successes(asyncio.run(stack.evaluate(model, test)))
+
+        def evaluated(key: str, model: Callable[[], str]) -> list[float]:
+            """Per-task results of ``model()``, played once: every row comes from these."""
+            return results.get(f"eval-{key}", lambda: success(model()))
+
+        # Before any cycle the live agent is the base model; the improver keeps this
+        # measurement and judges its first candidate against it without playing it again.
+        base = results.get("base", lambda: _successes(asyncio.run(improver.live_summary()).episodes))
+
+        def cycle(n: int) -> dict[str, Any]:
+            seeds = list(TRAIN_SEEDS)[(n - 1) * preset.traffic_tasks : n * preset.traffic_tasks]
+            traffic = results.get(f"traffic-{n}", lambda: _successes(stack.traffic(seeds)))
+            # Resumes the cycle a killed run left unfinished, once that run's lease has lapsed.
+            improver.run_once(wait=2 * improver.config.lease_ttl)
+            cycle_id = [j.cycle for j in store.jobs(AGENT) if j.stage == "cycle"][-1]
+            live = _successes(asyncio.run(improver.live_summary()).episodes)
+            after = {"success": sum(live) / len(live)}
+            report = cycle_report(store, cycle_id, sum(traffic) / len(traffic), after)
+            deployment = _deployment(store, cycle_id)
+            # What the cycle composed, on the test tasks, whether or not it passed the gate.
+            target = deployment.evaluation["target"] if deployment else None
+            candidate = _successes(target["candidate"]["episodes"]) if target else None
+            rollouts = sum(e.config["rollout_budget"] for e in store.experts(AGENT, status="ready"))
+            return {"report": asdict(report), "candidate": candidate, "live": live, "rollouts": rollouts}
+
+        cycles = [results.get(f"cycle-{n}", lambda n=n: cycle(n)) for n in range(1, preset.cycles + 1)]
+        # The default TRACE row: what the last cycle that composed something composed.
+        composed = [c for c in cycles if c["candidate"] is not None]
+        last = _deployment(store, composed[-1]["report"]["cycle"]) if composed else None
+        trace = composed[-1]["candidate"] if composed else base
+        experts = last.adapters if last else {}  # capability -> served adapter name
+        paths = {e.adapter_name: e.adapter_path for e in store.experts(AGENT)}
+        for served in experts.values():  # a resumed run's gateway has only the live ones
+            asyncio.run(admin.ensure_adapter(served, paths[served]))
         specs = [improver.spec(capability) for capability in experts]
-        trace_rollouts = sum(e.config["rollout_budget"] for e in store.experts(AGENT, status="ready"))
+        trace_rollouts = cycles[-1]["rollouts"]
+        # Equal rollouts: GRPO on the target gets what TRACE's experts used, in all cycles.
+        budget = args.budget or trace_rollouts or preset.rollouts * preset.max_experts
         # What calibrating the environments cost TRACE (GRPO on the target pays none): its plays.
         calibration_samples = len(store.list_episodes(f"calibration:{AGENT}", limit=10**6))
-        admin = GatewayAdmin(stack.server.url)
 
         def adapter_dir(name: str) -> Path:
             return stack.adapter_root / name / "1"
@@ -145,11 +220,12 @@ def main() -> None:
         def train(name: str, factory: Any, seeds: list[int], hint: Any = None, **settings: Any) -> str:
             from training.experts import ExpertTrainer
 
-            out = adapter_dir(name)
-            config = improver.training_config(output_dir=str(out), rollout_budget=budget, **settings)
-            console.rule(f"training {name}: {budget} rollouts")
-            ExpertTrainer(config, factory, seeds, hint=hint, examples=improver.examples()).train()
-            asyncio.run(admin.ensure_adapter(f"{name}@1", str(out)))
+            out_dir = adapter_dir(name)
+            if not out_dir.is_dir():  # else published by an earlier run (a killed one resumes its checkpoint)
+                config = improver.training_config(output_dir=str(out_dir), rollout_budget=budget, **settings)
+                console.rule(f"training {name}: {budget} rollouts")
+                ExpertTrainer(config, factory, seeds, hint=hint, examples=improver.examples()).train()
+            asyncio.run(admin.ensure_adapter(f"{name}@1", str(out_dir)))
             return f"{name}@1"
 
         # The target's tasks need the agent's whole horizon; its tickets carry no hint.
@@ -160,44 +236,48 @@ def main() -> None:
             max_turns=RETAIL_TURNS,
             max_completion_length=RETAIL_TOKENS,
         )
-        # With one environment trained at the whole budget, the union is that environment:
-        # its expert is already that LoRA (same seeds, hints and settings), so it is not trained twice.
-        union_is_expert = len(specs) == 1 and trace_rollouts == budget
-        union = (
-            train("single_union", lambda: UnionEnv(specs), list(TRAINING_SEEDS), union_hint(specs))
-            if specs and not union_is_expert
-            else None
-        )
-        routers: dict[str, dict[str, Any]] = {}
-        if cycle:
-            routers["mixture"] = cycle.router
-            routers["top1"] = router_spec(experts, store, AGENT).to_dict()  # no corpus: hard top-1
-            routers["gate"] = asyncio.run(improver.learned_router(experts)).router.to_dict()
-            for name in ("top1", "gate"):
-                asyncio.run(admin.set_router(routers[name], name=name))
-
-        def success(model: str) -> list[float]:
-            return _successes(asyncio.run(stack.evaluate(model, test)))
-
-        target = cycle.evaluation["target"] if cycle else None
-        base = _successes(target["current"]["episodes"]) if target else success("base")
-        trace = _successes(target["candidate"]["episodes"]) if target else base
-        static = bool(cycle) and routers["mixture"]["kind"] == "static"
+        static = last is not None and last.router["kind"] == "static"
         by_expert = {
             # A lone expert's static router already played the test tasks as that expert.
-            capability: trace if static else success(name)
-            for capability, name in experts.items()
+            capability: trace if static else evaluated(f"expert-{capability}", lambda n=served: n)
+            for capability, served in experts.items()
         }
+        # One environment trained at GRPO's budget is its own union: that expert, not trained twice.
+        union_is_expert = (
+            len(specs) == 1 and improver.expert_of(specs[0].capability).config["rollout_budget"] == budget
+        )
+        routers: dict[str, dict[str, Any]] = {}
+        if last is not None:
+            routers["mixture"] = last.router
+            routers["top1"] = router_spec(experts, store, AGENT).to_dict()  # no corpus: hard top-1
+            routers["gate"] = results.get(
+                "router-gate", lambda: asyncio.run(improver.learned_router(experts)).router.to_dict()
+            )
+            for router_name in ("top1", "gate"):
+                asyncio.run(admin.set_router(routers[router_name], name=router_name))
         rows: dict[str, list[float] | None] = {
             "base": base,
             # An adapter no gradient reached is the base model: its replies are the base's.
-            "grpo_target": base if is_noop(adapter_dir("grpo_target")) else success(grpo),
-            "single_union": by_expert[specs[0].capability]
-            if union_is_expert
-            else (success(union) if union else None),
-            "trace_classifier": trace if static or not cycle else success("router:top1"),
+            "grpo_target": base
+            if is_noop(adapter_dir("grpo_target"))
+            else evaluated("grpo_target", lambda: grpo),
+            "single_union": (
+                by_expert[specs[0].capability]
+                if union_is_expert
+                else evaluated(
+                    "single_union",
+                    lambda: train(
+                        "single_union", lambda: UnionEnv(specs), list(TRAINING_SEEDS), union_hint(specs)
+                    ),
+                )
+            )
+            if specs
+            else None,
+            "trace_classifier": trace
+            if static or last is None
+            else evaluated("trace_classifier", lambda: "router:top1"),
             "trace_mixture": trace,
-            "trace_gate": success("router:gate") if cycle else base,
+            "trace_gate": evaluated("trace_gate", lambda: "router:gate") if last is not None else base,
         }
         options = choices(stack, routers.get("mixture"), experts, by_expert, base, trace, test)
         rows["oracle"] = [max(scores.values()) for scores in options]
@@ -214,8 +294,37 @@ def main() -> None:
         "trace_gate": trace_rollouts,
         "oracle": trace_rollouts,
     }
+    table = Table(title="Cycles: what each mined, trained and composed, and the test success after it")
+    for column in (
+        "cycle",
+        "traffic success",
+        "mined",
+        "trained",
+        "composed",
+        "outcome",
+        "rollouts",
+        "candidate",
+        "live",
+    ):
+        table.add_column(column)
+    for n, c in enumerate(cycles, 1):
+        r = c["report"]
+        composed = ", ".join(r["adapters"].values())
+        table.add_row(
+            str(n),
+            f"{r['traffic_success']:.2f}",
+            ", ".join(r["mined"]) or "—",
+            ", ".join(r["trained"]) or "—",
+            f"{composed} ({r['router']})" if composed else "—",
+            r["outcome"],
+            str(c["rollouts"]),
+            "—" if c["candidate"] is None else f"{sum(c['candidate']) / len(c['candidate']):.2f}",
+            f"{sum(c['live']) / len(c['live']):.2f}",
+        )
+    console.print(table)
     table = Table(
-        title=f"Retail test tasks: {len(test)}, rollout budget {budget} per method (SmolLM2-135M, CPU)"
+        title=f"Retail test tasks: {len(test)}; GRPO's budget {budget} rollouts, TRACE's {trace_rollouts} "
+        "(SmolLM2-135M, CPU)"
     )
     for column in ("method", "rollouts", "success", "95% CI"):
         table.add_column(column)
@@ -235,9 +344,11 @@ def main() -> None:
         console.print(f"trace_mixture − {name}, paired by task: 95% CI [{low:+.2f}, {high:+.2f}]")
     console.print(f"calibration samples (TRACE's, outside the rollout budget): {calibration_samples}")
     console.print(f"experts: {experts or 'none trained'}; router accuracy against the oracle: {accuracy}")
-    console.print(f"{time.monotonic() - started:.0f} s in all")
-    plot(figures, rollouts, home / "improvement.png")
-    console.print(f"plot: {home / 'improvement.png'}")
+    console.print(f"{time.monotonic() - started:.0f} s in this run; results kept in {out}")
+    # TRACE after each cycle: the live agent then, at the rollouts its experts had used so far.
+    curve = [(0, figures["base"])] + [(c["rollouts"], sum(c["live"]) / len(c["live"])) for c in cycles]
+    plot(figures, rollouts, curve, out / "improvement.png")
+    console.print(f"plot: {out / 'improvement.png'}")
     print(
         json.dumps(
             {
@@ -250,7 +361,7 @@ def main() -> None:
                 "router_accuracy_top1": accuracy.get("top1"),
                 "router_accuracy_gate": accuracy.get("gate"),
                 "n_test_tasks": len(test),
-                "cycles": 1,
+                "cycles": len(cycles),
                 "calibration_samples": calibration_samples,
                 "gain_vs_base_ci_low": round(gains["base"][0], 4),
                 "gain_vs_base_ci_high": round(gains["base"][1], 4),
@@ -259,6 +370,11 @@ def main() -> None:
             }
         )
     )
+
+
+def _deployment(store: Any, cycle: str) -> Deployment | None:
+    """The deployment ``cycle`` composed (accepted or not), if it composed one."""
+    return next((d for d in store.deployments(AGENT) if d.id == cycle), None)
 
 
 def _successes(episodes: list[Any]) -> list[float]:
@@ -315,7 +431,10 @@ def opening(seed: int) -> list[dict[str, Any]]:
     return [{"role": "user", "content": RetailEnv().reset(seed).prompt}]
 
 
-def plot(figures: dict[str, Any], rollouts: dict[str, int], path: Path) -> None:
+def plot(
+    figures: dict[str, Any], rollouts: dict[str, int], curve: list[tuple[int, float]], path: Path
+) -> None:
+    """Success against rollouts used: every method's point, and the deployed agent after each cycle."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -323,13 +442,14 @@ def plot(figures: dict[str, Any], rollouts: dict[str, int], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.axhline(figures["base"], color="grey", linestyle="--", label="base (0 rollouts)")
+    ax.plot(*zip(*curve, strict=True), color="tab:red", marker="o", label="TRACE deployed, cycle by cycle")
     for name in ("grpo_target", "single_union", "trace_classifier", "trace_mixture", "trace_gate", "oracle"):
         if figures.get(name) is not None:
             ax.scatter([rollouts[name]], [figures[name]], label=name, s=60)
     ax.set_xlabel("rollouts used")
     ax.set_ylabel("success on retail test tasks")
     ax.set_ylim(0, 1)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
