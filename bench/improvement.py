@@ -204,10 +204,10 @@ def main() -> None:
         last = _deployment(store, composed[-1]["report"]["cycle"]) if composed else None
         trace = composed[-1]["candidate"] if composed else base
         experts = last.adapters if last else {}  # capability -> served adapter name
-        paths = {e.adapter_name: e.adapter_path for e in store.experts(AGENT)}
+        served_by = {e.adapter_name: e for e in store.experts(AGENT)}  # the experts behind those names
         for served in experts.values():  # a resumed run's gateway has only the live ones
-            asyncio.run(admin.ensure_adapter(served, paths[served]))
-        specs = [improver.spec(capability) for capability in experts]
+            asyncio.run(admin.ensure_adapter(served, served_by[served].adapter_path))
+        specs = [improver.env_of(served_by[served]) for served in experts.values()]
         trace_rollouts = cycles[-1]["rollouts"]
         # Equal rollouts: GRPO on the target gets what TRACE's experts used, in all cycles.
         budget = args.budget or trace_rollouts or preset.rollouts * preset.max_experts
@@ -244,7 +244,7 @@ def main() -> None:
         }
         # One environment trained at GRPO's budget is its own union: that expert, not trained twice.
         union_is_expert = (
-            len(specs) == 1 and improver.expert_of(specs[0].capability).config["rollout_budget"] == budget
+            len(specs) == 1 and served_by[next(iter(experts.values()))].config["rollout_budget"] == budget
         )
         routers: dict[str, dict[str, Any]] = {}
         if last is not None:
