@@ -406,13 +406,13 @@ def test_a_capability_no_environment_can_exercise_is_passed_over_and_the_next_on
     )
 
 
-def test_each_cycle_mines_the_traffic_its_live_deployment_served(sqlite_url):
+def test_each_cycle_mines_the_traffic_its_live_deployment_served(db_url):
     """Failures an earlier cycle already answered are not mined again: once a deployment is
     live, the improver mines only the traffic it served, and finds the next deficit there."""
     from trace_plugin.environments.planted import corpus
     from trace_plugin.improver import stages
 
-    store = Store(sqlite_url)
+    store = Store(db_url)
     store.upgrade()
 
     def traffic(policies: tuple[str, ...], seeds: range, start) -> None:

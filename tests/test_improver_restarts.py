@@ -11,12 +11,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import event
+from sqlalchemy import event, update
 from sqlalchemy.engine import Connection
 from test_synthesis_flow import planted  # noqa: F401  (a fixture: a store with a mined deficit)
 
@@ -25,6 +26,7 @@ from trace_plugin.gateway.server import start_in_thread
 from trace_plugin.records.deployment import Deployment
 from trace_plugin.records.job import Job
 from trace_plugin.store import Store
+from trace_plugin.store import tables as t
 from training.experts import ExpertResult
 
 pytestmark = pytest.mark.slow
@@ -109,6 +111,9 @@ async def test_killed_at_every_stage_the_improver_finishes_once(
             "baseline", "planted", "live", router=httpx.get(f"{gateway.url}/v1/router").json()
         )
         store.save_deployment(baseline)
+        # It went live before the planted traffic, which it served: the traffic a cycle mines.
+        with store.engine.begin() as conn:
+            conn.execute(update(t.deployments).values(updated_at=datetime(2020, 1, 1, tzinfo=UTC)))
 
         def start(pause_at: str | None = None) -> Child:
             children.append(Child(store.url, gateway.url, root, pause_at))
