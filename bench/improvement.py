@@ -52,7 +52,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from trace_plugin.demo import AGENT, PRESETS, Preset, SupportStack, cycle_report  # noqa: E402
+from trace_plugin.demo import (  # noqa: E402
+    AGENT,
+    CYCLE_COLUMNS,
+    PRESETS,
+    Preset,
+    SupportStack,
+    cycle_cells,
+    cycle_report,
+)
 from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall  # noqa: E402
 from trace_plugin.environments.interpreter import SpecEnv, worked_example  # noqa: E402
 from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv  # noqa: E402
@@ -295,32 +303,11 @@ def main() -> None:
         "oracle": trace_rollouts,
     }
     table = Table(title="Cycles: what each mined, trained and composed, and the test success after it")
-    for column in (
-        "cycle",
-        "traffic success",
-        "mined",
-        "trained",
-        "composed",
-        "outcome",
-        "rollouts",
-        "candidate",
-        "live",
-    ):
+    for column in ("cycle", *CYCLE_COLUMNS, "rollouts so far", "its candidate"):
         table.add_column(column)
     for n, c in enumerate(cycles, 1):
-        r = c["report"]
-        composed = ", ".join(r["adapters"].values())
-        table.add_row(
-            str(n),
-            f"{r['traffic_success']:.2f}",
-            ", ".join(r["mined"]) or "—",
-            ", ".join(r["trained"]) or "—",
-            f"{composed} ({r['router']})" if composed else "—",
-            r["outcome"],
-            str(c["rollouts"]),
-            "—" if c["candidate"] is None else f"{sum(c['candidate']) / len(c['candidate']):.2f}",
-            f"{sum(c['live']) / len(c['live']):.2f}",
-        )
+        candidate = "—" if c["candidate"] is None else f"{sum(c['candidate']) / len(c['candidate']):.2f}"
+        table.add_row(str(n), *cycle_cells(c["report"]), str(c["rollouts"]), candidate)
     console.print(table)
     table = Table(
         title=f"Retail test tasks: {len(test)}; GRPO's budget {budget} rollouts, TRACE's {trace_rollouts} "

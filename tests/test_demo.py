@@ -53,7 +53,7 @@ def test_demo_measures_before_and_after_each_of_two_cycles_and_writes_its_report
     assert (out / "demo.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_the_report_flags_an_expert_whose_unhinted_reward_never_rose_beside_its_held_out_result():
+def test_the_report_flags_an_expert_whose_unhinted_reward_never_rose_and_shows_each_cycle():
     expert = {
         "id": "e1",
         "capability": "tool_call_format",
@@ -75,10 +75,27 @@ def test_the_report_flags_an_expert_whose_unhinted_reward_never_rose_beside_its_
         "environments": [],
         "experts": [expert, learned],
         "decisions": [],
-        "cycles": [],
+        "cycles": [
+            {
+                "cycle": "c1",
+                "traffic_success": 0.25,
+                "mined": ["tool_call_format", "termination"],
+                "trained": ["tool_call_format"],
+                "adapters": {"tool_call_format": "tool_call_format@e1"},
+                "router": "static",
+                "deployed": False,
+                "outcome": "rejected: target success 0.25 does not beat the live 0.25 by 0.0",
+                "after": {"success": 0.25},
+            }
+        ],
     }
     lines = demo.markdown(report).splitlines()
     [flagged] = [line for line in lines if "(e1)" in line]
     assert "un-hinted [0.0, None, 0.0] (never rose: flagged)" in flagged and "0.00 → 0.57" in flagged
     [fine] = [line for line in lines if "(e2)" in line]
     assert fine.endswith("un-hinted [0.0, 0.25]")
+    [cycle] = [line for line in lines if line.startswith("| 1 |")]
+    assert cycle == (
+        "| 1 | 0.25 | tool_call_format, termination | tool_call_format | tool_call_format@e1 (static) "
+        "| rejected: target success 0.25 does not beat the live 0.25 by 0.0 | 0.25 |"
+    )

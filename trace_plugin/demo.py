@@ -350,10 +350,10 @@ def _print(console: Console, report: dict[str, Any]) -> None:
         )
     console.print(experts)
     cycles = Table(title="Cycles")
-    for column in ("cycle", "traffic success", "mined", "trained", "composed", "outcome", "test success"):
+    for column in ("cycle", *CYCLE_COLUMNS):
         cycles.add_column(column)
     for n, c in enumerate(report["cycles"], 1):
-        cycles.add_row(str(n), *_cycle_cells(c))
+        cycles.add_row(str(n), *cycle_cells(c))
     console.print(cycles)
     for d in report["decisions"]:
         console.print(f"deployment {d['id']}: {d['status']} {'; '.join(d['reasons'])}")
@@ -387,9 +387,9 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "## Cycles",
         "",
-        "| cycle | traffic success | mined | trained | composed | outcome | test success |",
+        "| cycle | " + " | ".join(CYCLE_COLUMNS) + " |",
         "|---|---:|---|---|---|---|---:|",
-        *(f"| {n} | " + " | ".join(_cycle_cells(c)) + " |" for n, c in enumerate(report["cycles"], 1)),
+        *(f"| {n} | " + " | ".join(cycle_cells(c)) + " |" for n, c in enumerate(report["cycles"], 1)),
         "",
         "## Environments, experts and deployments",
         "",
@@ -408,8 +408,12 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _cycle_cells(cycle: dict[str, Any]) -> list[str]:
-    """A cycle's row: what it mined, trained and composed, and the success rate after it."""
+CYCLE_COLUMNS = ("traffic success", "mined", "trained", "composed", "outcome", "test success after")
+
+
+def cycle_cells(cycle: dict[str, Any]) -> list[str]:
+    """A cycle's row (a :class:`CycleReport` as a dict): its traffic's success, what it
+    mined, trained and composed, its outcome, and the live agent's test success after it."""
     adapters = ", ".join(cycle["adapters"].values())
     return [
         f"{cycle['traffic_success']:.2f}",
