@@ -230,13 +230,15 @@ def stop_list_stall(url: str, model: str, rounds: int) -> tuple[float, float]:
 
 def time_to_first_token(url: str, model: str, rounds: int) -> tuple[float, float]:
     """Mean seconds from sending a streamed support-agent request to its first content or
-    tool-call delta, and to its last chunk; a first request warms the prefix cache."""
+    tool-call delta, and to its last chunk, with the prefix cache warm: it stores an opening
+    once a second prompt shares it, so two requests go first, unmeasured."""
     from langchain_core.messages import convert_to_openai_messages
 
     env = RetailEnv()
     examples = convert_to_openai_messages(few_shot_messages())
     first, full = 0.0, 0.0
-    for seed in list(TEST_SEEDS)[: rounds + 1]:
+    warm = list(TEST_SEEDS)[:2]
+    for seed in list(TEST_SEEDS)[: rounds + 2]:
         messages = [{"role": "system", "content": env.system_prompt}, *examples]
         messages.append({"role": "user", "content": env.reset(seed).prompt})
         body = {"model": model, "messages": messages, "tools": TOOLS, "temperature": 0, "stream": True}
@@ -247,7 +249,7 @@ def time_to_first_token(url: str, model: str, rounds: int) -> tuple[float, float
                 delta = _delta(line)
                 if seen is None and (delta.get("content") or delta.get("tool_calls")):
                     seen = time.perf_counter() - start
-        if seed != TEST_SEEDS[0]:  # the first one filled the cache
+        if seed not in warm:
             first, full = first + (seen or 0.0), full + time.perf_counter() - start
     return first / rounds, full / rounds
 
