@@ -5,23 +5,34 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Served:
+    """One completed call: the model that served it, and whether it was sent after the
+    swap had returned (so only the new version may serve it)."""
+
+    model: str
+    after_swap: bool
 
 
 def swap_under_load(
     call: Callable[[], str], swap: Callable[[], None], *, clients: int = 8, before: int = 16, after: int = 16
-) -> tuple[list[str], list[Exception], int]:
+) -> tuple[list[Served], list[Exception]]:
     """``clients`` threads call ``call()`` (returning the model that served) in a loop;
     ``swap()`` runs once ``before`` calls are done, and the threads stop ``after`` calls
-    later. Returns the served models in completion order, the failures, and the index
-    of the first call completed after the swap."""
-    served: list[str] = []
+    later. Returns the calls in completion order and the failures."""
+    served: list[Served] = []
     failures: list[Exception] = []
     stop = threading.Event()
+    swapped = threading.Event()
 
     def worker() -> None:
         while not stop.is_set():
+            after_swap = swapped.is_set()
             try:
-                served.append(call())
+                served.append(Served(call(), after_swap))
             except Exception as exc:  # every failure is reported to the test
                 failures.append(exc)
 
@@ -31,10 +42,11 @@ def swap_under_load(
     while len(served) < before and not failures:
         time.sleep(0.05)
     swap()
+    swapped.set()
     mark = len(served)
     while len(served) < mark + after and not failures:
         time.sleep(0.05)
     stop.set()
     for t in threads:
         t.join()
-    return served, failures, mark
+    return served, failures

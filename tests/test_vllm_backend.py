@@ -109,8 +109,8 @@ def test_runtime_lora_through_the_vllm_contract_and_hot_swap(stack):
         r = httpx.post(f"{outer.url}/v1/load_lora_adapter", json=body, timeout=60)
         assert r.status_code == 200, r.text
 
-    models, failures, _ = swap_under_load(call, swap, before=8)
-    assert failures == [] and models[-1] == "alpha@2"
+    served, failures = swap_under_load(call, swap, before=8)
+    assert failures == [] and all(s.model == "alpha@2" for s in served if s.after_swap)
     loaded = {m["id"] for m in httpx.get(f"{inner.url}/v1/models").json()["data"]}
     assert "alpha@1" not in loaded, "the old version was unloaded from vLLM once drained"
 
