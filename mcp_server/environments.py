@@ -8,6 +8,9 @@ environment instance, so many clients practise at once without seeing each other
 state, and every episode played is recorded in the store with its reward. An episode
 left without ``env_reward`` (its session closed or expired, or a new ``env_reset``) is
 recorded as interrupted.
+
+A task that offers its own tools changes its session's list at ``env_reset``: the server
+then sends ``notifications/tools/list_changed``, and the reset's result names the tools.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 import mcp.types as types
 
 from mcp_server.transport import McpServer
-from trace_plugin.environments import Environment, ToolCall, observation_error
+from trace_plugin.environments import Environment, ToolCall, observation_error, offered_tools
 from trace_plugin.recorder import Recorder
 from trace_plugin.records.outcome import graded_label
 from trace_plugin.records.trajectory import Feedback
@@ -46,6 +49,18 @@ CONTROL_TOOLS = [
 class _Session:
     env: Environment
     episode: ActiveEpisode | None = None
+    tools: list[types.Tool] | None = None  # what the current task offers, when it differs
+
+
+def mcp_tools(schemas: list[dict[str, Any]]) -> list[types.Tool]:
+    return [
+        types.Tool(
+            name=t["function"]["name"],
+            description=t["function"].get("description"),
+            inputSchema=t["function"]["parameters"],
+        )
+        for t in schemas
+    ]
 
 
 def build_server(
@@ -68,20 +83,13 @@ def build_server(
         finally:
             interrupt(state, f"the session ended before {REWARD}")
 
-    server = McpServer(f"trace-plugin-env-{name}", lifespan=session)
-    prototype = env_factory()
-    env_tools = [
-        types.Tool(
-            name=t["function"]["name"],
-            description=t["function"].get("description"),
-            inputSchema=t["function"]["parameters"],
-        )
-        for t in prototype.tools
-    ]
+    server = McpServer(f"trace-plugin-env-{name}", lifespan=session, tools_changed=True)
+    env_tools = mcp_tools(env_factory().tools)
 
     @server.list_tools()
     async def list_tools() -> list[types.Tool]:
-        return [*env_tools, *CONTROL_TOOLS]
+        state = server.request_context.lifespan_context
+        return [*(env_tools if state.tools is None else state.tools), *CONTROL_TOOLS]
 
     @server.call_tool()
     async def call_tool(tool: str, arguments: dict[str, Any]) -> Any:
@@ -89,11 +97,20 @@ def build_server(
         if tool == RESET:
             interrupt(state, f"{RESET} was called again before {REWARD}")
             task = state.env.reset(int(arguments["seed"]))
+            offered = offered_tools(state.env, task)
             state.episode = tracer.start_episode(
                 {"messages": [{"role": "user", "content": task.prompt}]},
                 metadata={"task_seed": task.seed, "task_kind": task.kind, "environment": name},
             )
-            return {"prompt": task.prompt, "kind": task.kind, "system_prompt": state.env.system_prompt}
+            before, state.tools = state.tools, None if task.tools is None else mcp_tools(task.tools)
+            if state.tools != before:
+                await server.request_context.session.send_tool_list_changed()
+            return {
+                "prompt": task.prompt,
+                "kind": task.kind,
+                "system_prompt": state.env.system_prompt,
+                "tools": [t["function"]["name"] for t in offered],
+            }
         if state.episode is None:
             raise ValueError(f"call {RESET} with a seed first")
         if tool == REWARD:

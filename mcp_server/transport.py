@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 import anyio
 import mcp.types as types
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from mcp.server.lowlevel import Server
+from mcp.server.lowlevel import NotificationOptions, Server
+from mcp.server.models import InitializationOptions
 from mcp.shared.message import SessionMessage
 from starlette.applications import Starlette
 from starlette.routing import Route
@@ -47,7 +48,20 @@ class McpServer(Server[LifespanT, Any]):
     """A low-level server that answers a method MCP does not define with -32601 (Method not
     found). The SDK's session checks each request against the methods it knows before any
     handler runs, and answers every failure there, an unknown method too, with -32602
-    (Invalid params)."""
+    (Invalid params). ``tools_changed`` declares that its tool list changes (and that it
+    says so with ``notifications/tools/list_changed``)."""
+
+    def __init__(self, name: str, *, tools_changed: bool = False, **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        self.tools_changed = tools_changed
+
+    def create_initialization_options(
+        self,
+        notification_options: NotificationOptions | None = None,
+        experimental_capabilities: dict[str, dict[str, Any]] | None = None,
+    ) -> InitializationOptions:
+        notification_options = notification_options or NotificationOptions(tools_changed=self.tools_changed)
+        return super().create_initialization_options(notification_options, experimental_capabilities)
 
     async def run(
         self,

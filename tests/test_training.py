@@ -137,6 +137,23 @@ def test_episodes_are_the_tokens_the_gateway_would_render(tokenizer):
     assert len(episode.env_mask) == len(episode.completion_ids)
 
 
+def test_a_task_offering_its_own_tools_is_played_with_exactly_those(tokenizer):
+    from test_schema_requests import TOOLS
+
+    from trace_plugin.environments.interpreter import SpecEnv
+    from trace_plugin.environments.synthesis import synthesize
+
+    spec = synthesize("tool_selection", TOOLS, system_prompt="Help.")
+    seed = next(s for s in range(50) if len(SpecEnv(spec).reset(s).tools or ()) < len(TOOLS))
+    task = SpecEnv(spec).reset(seed)
+    player = EpisodePlayer(tokenizer, lambda: SpecEnv(spec), max_turns=1, max_observation_chars=100)
+    [episode] = player.play([seed], [None], scripted(tokenizer, lambda _: "No."))
+    conversation = [{"role": "system", "content": "Help."}, {"role": "user", "content": task.prompt}]
+    assert tokenizer.decode(episode.prompt_ids) == render(tokenizer, conversation, task.tools)
+    every_tool = [t.schema_ for t in spec.tools]
+    assert render(tokenizer, conversation, task.tools) != render(tokenizer, conversation, every_tool)
+
+
 def test_hinted_rollouts_generate_with_the_hint_but_keep_the_plain_prompt(tokenizer):
     player = EpisodePlayer(tokenizer, EchoEnv, max_turns=3, max_observation_chars=100)
     generate = scripted(tokenizer, echo_policy)

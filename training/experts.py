@@ -7,7 +7,7 @@ and the TRACE recipe need three things the other two cannot give:
 - ``environment_factory`` exposes an environment's *Python methods* as tools, renders
   their schemas from docstrings, and conditions the loss on exactly the prompt it
   generated from. Our environments offer OpenAI schemas and ``step(ToolCall)``; the
-  deployed gateway renders ``env.tools`` with ``TOOL_CHAT_TEMPLATE``, and training must
+  deployed gateway renders the offered tools with ``TOOL_CHAT_TEMPLATE``, and training must
   see the same tokens. Hints (below) need the generation prompt and the loss prompt to
   differ, and dynamic sampling needs the episode rewards before the batch is handed back.
 - A single-decision formulation (one tool choice per prompt) would need a reward we
@@ -58,7 +58,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import GenerationConfig, LogitsProcessorList, PrinterCallback, TrainerCallback
 
 from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE, forbidden_token_ids, render
-from trace_plugin.environments.base import Environment, Task, ToolCall
+from trace_plugin.environments.base import Environment, Task, ToolCall, offered_tools
 from trace_plugin.generation import TemperatureSampler, generate_batch, shared_prefix, until_eos
 from trace_plugin.model_files import load_model, resolve_model
 from trace_plugin.records.outcome import reward_succeeds
@@ -101,7 +101,7 @@ class EpisodePlayer:
     """Plays batches of episodes of any environment in lockstep, one ``generate`` per turn.
 
     Prompts are rendered as the gateway renders them (``TOOL_CHAT_TEMPLATE`` with the
-    environment's own OpenAI tool schemas), so an expert is trained on the tokens it
+    OpenAI tool schemas the task offers), so an expert is trained on the tokens it
     will be served. Later turns are built by appending token ids (model output, then the
     template's tool-response block), never by re-rendering: the loss must score exactly
     the tokens that were sampled.
@@ -129,13 +129,14 @@ class EpisodePlayer:
         rollouts, contexts = [], []
         for env, seed, hint in zip(envs, seeds, hints, strict=True):
             task = env.reset(seed)
-            prompt_ids = self._prompt_ids(env, task.prompt)
+            tools = offered_tools(env, task)
+            prompt_ids = self._prompt_ids(env, tools, task.prompt)
             rollouts.append(Rollout(seed, prompt_ids, hinted=hint is not None))
             if isinstance(hint, list):
-                contexts.append(self._prompt_ids(env, task.prompt, hint))
+                contexts.append(self._prompt_ids(env, tools, task.prompt, hint))
             else:
                 contexts.append(
-                    self._prompt_ids(env, f"{task.prompt}\n\nHint: {hint}") if hint else prompt_ids
+                    self._prompt_ids(env, tools, f"{task.prompt}\n\nHint: {hint}") if hint else prompt_ids
                 )
         active = list(range(len(rollouts)))
         for turn in range(1, self.max_turns + 1):
@@ -168,9 +169,11 @@ class EpisodePlayer:
             rollout.reward = float(env.reward(rollout.answer).total)
         return rollouts
 
-    def _prompt_ids(self, env: Environment, user: str, turns: Sequence[dict[str, Any]] = ()) -> list[int]:
+    def _prompt_ids(
+        self, env: Environment, tools: list[dict[str, Any]], user: str, turns: Sequence[dict[str, Any]] = ()
+    ) -> list[int]:
         messages = [{"role": "system", "content": env.system_prompt}, *self.examples, *turns]
-        text = render(self.tokenizer, [*messages, {"role": "user", "content": user}], env.tools)
+        text = render(self.tokenizer, [*messages, {"role": "user", "content": user}], tools)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _observe(self, env: Environment, call: dict[str, Any]) -> str:

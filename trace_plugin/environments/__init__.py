@@ -7,6 +7,15 @@ from trace_plugin.environments.base import (
     Task,
     ToolCall,
     observation_error,
+    offered_tools,
 )
 
-__all__ = ["Environment", "RewardBreakdown", "Target", "Task", "ToolCall", "observation_error"]
+__all__ = [
+    "Environment",
+    "RewardBreakdown",
+    "Target",
+    "Task",
+    "ToolCall",
+    "observation_error",
+    "offered_tools",
+]

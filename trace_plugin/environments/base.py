@@ -17,12 +17,17 @@ from typing import Any, Protocol
 
 @dataclass(frozen=True, slots=True)
 class Task:
-    """What the user asks, everything they know stated up front, plus grading metadata."""
+    """What the user asks, everything they know stated up front, plus grading metadata.
+
+    ``tools`` are the tools this request offers (OpenAI function schemas), for agents whose
+    tools differ per request; None offers the environment's.
+    """
 
     seed: int
     prompt: str
     kind: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +100,13 @@ def observation_error(observation: str) -> str | None:
         return observation
 
 
+def offered_tools(env: Environment, task: Task) -> list[dict[str, Any]]:
+    """The tools an agent working on ``task`` is offered: the task's own, else the environment's."""
+    return env.tools if task.tools is None else task.tools
+
+
 class Environment(Protocol):
-    tools: list[dict[str, Any]]  # OpenAI function schemas
+    tools: list[dict[str, Any]]  # OpenAI function schemas: every tool any of its tasks offers
     system_prompt: str
 
     def reset(self, seed: int) -> Task: ...

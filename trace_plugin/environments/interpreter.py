@@ -43,7 +43,9 @@ def generate(column: Column, rng: random.Random) -> Any:
             lambda m: "".join(rng.choice("0123456789") for _ in range(int(m[1]))), column.pattern or ""
         )
     if column.kind == "int":
-        return rng.randint(column.low, column.high)
+        return rng.randint(int(column.low), int(column.high))
+    if column.kind == "number":
+        return round(rng.uniform(column.low, column.high), 2)
     return rng.choice(column.values)
 
 
@@ -57,6 +59,7 @@ class SpecEnv:
         # The hint, shown as a worked example the agent sees just before the ticket.
         self.hint_messages = worked_example(spec) if hinted else []
         self.task: Task | None = None
+        self.offered: frozenset[str] = frozenset(t.name for t in spec.tools)
         self.rows: Rows = {}
         self.calls: list[ToolCall] = []
         self._expected: Rows = {}
@@ -69,6 +72,7 @@ class SpecEnv:
         rng = random.Random(f"{self.spec.name}:{seed}")
         self.rows = self._generate(rng)
         template = rng.choices(self.spec.tasks, weights=[t.weight for t in self.spec.tasks])[0]
+        self.offered = frozenset(template.tools or [t.name for t in self.spec.tools])
         values = self._bind(template, rng)
         reference = [{"name": a.tool, "arguments": _fill(a.arguments, values)} for a in template.reference]
         facts = [_fill(f, values) for f in template.facts]
@@ -89,7 +93,9 @@ class SpecEnv:
             "satisfiable": not failures,
             "reference_errors": failures,
         }
-        self.task = Task(seed, _fill(template.prompt, values), template.kind, metadata)
+        schemas = {t.name: t.schema_ for t in self.spec.tools}
+        tools = [schemas[name] for name in template.tools] or None
+        self.task = Task(seed, _fill(template.prompt, values), template.kind, metadata, tools)
         return self.task
 
     @property
@@ -98,7 +104,7 @@ class SpecEnv:
 
     def step(self, call: ToolCall) -> str:
         self.calls.append(call)
-        tool = self.spec.tool(call.name)
+        tool = self._tool(call.name)
         if tool is None:
             return _error(f"unknown tool {call.name!r}")
         problem = argument_problem(tool.parameters, call.arguments)
@@ -119,6 +125,10 @@ class SpecEnv:
         ]
         total = sum(c.weight * score for c, score in scores) / sum(c.weight for c in self.spec.checks)
         return RewardBreakdown(round(total, 6), {c.label: score for c, score in scores})
+
+    def _tool(self, name: str) -> ToolSpec | None:
+        """The tool ``name`` if this task offers it."""
+        return self.spec.tool(name) if name in self.offered else None
 
     # -- state --------------------------------------------------------------------------
 
@@ -157,6 +167,8 @@ class SpecEnv:
         if tool.behaviour == "terminate":
             self._done = True
             return "transferred"
+        if tool.behaviour == "respond":  # a stateless API: any well-formed call succeeds
+            return {"status": "done"}
         table_name = tool.table or ""
         table, key_column = self.rows[table_name], self.spec.tables[table_name].key
         if tool.behaviour in ("lookup", "update"):
@@ -213,7 +225,7 @@ class SpecEnv:
             valid = [
                 c
                 for c in self.calls
-                if (t := self.spec.tool(c.name)) and not argument_problem(t.parameters, c.arguments)
+                if (t := self._tool(c.name)) and not argument_problem(t.parameters, c.arguments)
             ]
             return len(valid) / len(self.calls)
         if check.kind == "required_calls":
@@ -221,6 +233,17 @@ class SpecEnv:
                 return 1.0
             made = [(c.name, _normal(c.arguments)) for c in self.calls]
             return sum((r["name"], _normal(r["arguments"])) in made for r in reference) / len(reference)
+        if check.kind == "arguments":
+            if not reference:  # the right answer is no call
+                return float(not self.calls)
+            credit = [
+                max(
+                    (argument_credit(c.arguments, r["arguments"]) for c in self.calls if c.name == r["name"]),
+                    default=0.0,
+                )
+                for r in reference
+            ]
+            return sum(credit) / len(credit)
         if check.kind == "order":
             names = [c.name for c in self.calls]
             if check.after in names:
@@ -282,6 +305,16 @@ def _fill(value: Any, values: dict[str, Any]) -> Any:
     return PLACEHOLDER.sub(lambda m: str(lookup(m)), value)
 
 
+def argument_credit(made: dict[str, Any], wanted: dict[str, Any]) -> float:
+    """Partial credit for a call of the right tool: the share of arguments, wanted or made,
+    that were given with the wanted value and type; an invented argument counts against."""
+    names = set(made) | set(wanted)
+    if not names:
+        return 1.0
+    right = sum(n in made and n in wanted and _normal(made[n]) == _normal(wanted[n]) for n in names)
+    return right / len(names)
+
+
 def _value(value: str, arguments: dict[str, Any]) -> Any:
     return arguments.get(value[1:]) if value.startswith("$") else value
 
@@ -294,12 +327,15 @@ def _matches(row: dict[str, Any], filters: dict[str, str], arguments: dict[str, 
     )
 
 
-def _normal(arguments: dict[str, Any]) -> str:
-    """Arguments compared loosely: case and surrounding spaces of strings, order of lists."""
+def _normal(arguments: Any) -> str:
+    """Arguments compared loosely: case and surrounding spaces of strings, order of lists,
+    a whole float and its integer; types otherwise count (``12`` is not ``"12"``)."""
 
     def norm(value: Any) -> Any:
         if isinstance(value, str):
             return value.strip().lower()
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
         if isinstance(value, list):
             return sorted((norm(v) for v in value), key=str)
         if isinstance(value, dict):

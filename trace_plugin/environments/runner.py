@@ -3,7 +3,9 @@
 Two kinds of agent are supported:
 - a LangGraph agent carrying the capture decorator, built per task by
   ``build(env) -> graph`` so that its tools act on that task's environment. The
-  decorator records the episode; the runner chooses its id and attaches the reward;
+  decorator records the episode; the runner chooses its id and attaches the reward. A
+  task that offers its own tools passes them in the graph's input as ``tools`` (OpenAI
+  schemas), as a request to an agent whose tools differ per request carries them;
 - :class:`ChatLoopAgent`, a plain tool-calling loop against any OpenAI-compatible
   endpoint, which records its own episodes.
 
@@ -23,7 +25,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from trace_plugin.environments.base import Environment, RewardBreakdown, Task, ToolCall, observation_error
+from trace_plugin.environments.base import (
+    Environment,
+    RewardBreakdown,
+    Task,
+    ToolCall,
+    observation_error,
+    offered_tools,
+)
 from trace_plugin.recorder import Recorder, default_recorder
 from trace_plugin.records.outcome import graded_label, reward_succeeds
 from trace_plugin.records.trajectory import Feedback, new_id
@@ -63,7 +72,10 @@ class LangGraphAgent:
             # A model call and its tool calls are two graph steps; the final answer is one more.
             "recursion_limit": 2 * self.max_turns + 1,
         }
-        state = await graph.ainvoke({"messages": [*self.examples, ("user", task.prompt)]}, config=config)
+        inputs: dict[str, Any] = {"messages": [*self.examples, ("user", task.prompt)]}
+        if task.tools is not None:
+            inputs["tools"] = task.tools
+        state = await graph.ainvoke(inputs, config=config)
         return str(state["messages"][-1].content)
 
 
@@ -107,16 +119,23 @@ class ChatLoopAgent:
         try:
             # A client per episode: it belongs to this event loop and is closed with the episode.
             async with httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=600) as client:
-                answer = await self._loop(client, env, messages, active)
+                answer = await self._loop(client, env, offered_tools(env, task), messages, active)
         except Exception as exc:
             self.tracer.end_episode(active, error=exc)
             raise
         self.tracer.end_episode(active, output={"role": "assistant", "content": answer})
         return answer
 
-    async def _loop(self, client: Any, env: Environment, messages: list[dict[str, Any]], active: Any) -> str:
+    async def _loop(
+        self,
+        client: Any,
+        env: Environment,
+        tools: list[dict[str, Any]],
+        messages: list[dict[str, Any]],
+        active: Any,
+    ) -> str:
         for _ in range(self.max_turns):
-            reply = await self._complete(client, messages, env.tools, active)
+            reply = await self._complete(client, messages, tools, active)
             messages.append(reply)
             calls = reply.get("tool_calls") or []
             if not calls:

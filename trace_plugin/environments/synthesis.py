@@ -11,6 +11,9 @@ A template family per capability kind then writes tickets whose reference action
 exercise that capability, and a reward program aimed at it: valid calls for
 ``tool_call_format``, grounded follow-up lookups for ``argument_grounding``, read before
 write for ``precondition_verification``, forbidden writes for ``policy_refusal``, and so on.
+Where the tools give a family nothing to work with (stateless tools, no ids), the generic
+family of :mod:`~trace_plugin.environments.schema_requests` exercises the calls themselves,
+so any tool with an object schema yields an environment.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trace_plugin.chat_template import arguments_object, content_text
+from trace_plugin.environments.schema_requests import requests
 from trace_plugin.mining.detectors import guess_role, name_words
 from trace_plugin.mining.kinds import KINDS, FamilyName
 from trace_plugin.records.env_spec import (
@@ -184,17 +188,18 @@ def synthesize(
     kind = KINDS.get(capability)
     family = FAMILIES[kind.family] if kind is not None else _lookups
     tasks, checks, needed = family(interface)
+    bound = [interface.bindings[n] for n in dict.fromkeys(needed)]
+    if not tasks:  # tools that follow none of the conventions the family reads: the calls themselves
+        tasks, checks, bound = requests(tools, interface.param_column)
     if not tasks:
         raise SpecError(f"the target's tools offer nothing to exercise {capability!r} with")
-    names = list(dict.fromkeys(needed))
-    tables = {t.table: interface.tables[t.table] for n in names if (t := interface.bindings[n]).table}
     spec = EnvSpec(
         name=f"{capability}-env",
         capability=capability,
         description=description,
         system_prompt=system_prompt,
-        tables=tables,
-        tools=[interface.bindings[n] for n in names],
+        tables={t.table: interface.tables[t.table] for t in bound if t.table},
+        tools=bound,
         tasks=tasks,
         checks=checks,
     )

@@ -76,18 +76,31 @@ def check_policies(
 
 
 def _random_episode(env: SpecEnv, rng: random.Random, calls: int = 3) -> float:
-    """Random tools with arguments of the right types, but values the agent made up."""
+    """Random offered tools with arguments of the right types, but values the agent made up."""
+    offered = [t for t in env.spec.tools if t.name in env.offered]
     for _ in range(calls):
-        tool = rng.choice(env.spec.tools)
+        tool = rng.choice(offered)
         properties = tool.parameters.get("properties", {})
-        arguments = {
-            name: [f"X{rng.randrange(10**6)}"]
-            if schema.get("type") == "array"
-            else f"X{rng.randrange(10**6)}"
-            for name, schema in properties.items()
-        }
-        env.step(ToolCall(tool.name, arguments))
+        env.step(ToolCall(tool.name, {name: made_up(schema, rng) for name, schema in properties.items()}))
     return env.reward("I could not help with that.").total
+
+
+def made_up(schema: dict[str, Any], rng: random.Random) -> Any:
+    """A value of ``schema``'s type that nobody asked for (an enum's member at random)."""
+    if schema.get("enum"):
+        return rng.choice(schema["enum"])
+    kind = schema.get("type")
+    if kind == "integer":
+        return rng.randrange(10**6)
+    if kind == "number":
+        return rng.randrange(10**6) / 100
+    if kind == "boolean":
+        return rng.random() < 0.5
+    if kind == "object":
+        return {k: made_up(v, rng) for k, v in (schema.get("properties") or {}).items()}
+    if kind == "array":
+        return [made_up(schema.get("items") or {}, rng)]
+    return f"X{rng.randrange(10**6)}"
 
 
 # -- calibration ----------------------------------------------------------------------------

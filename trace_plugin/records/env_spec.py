@@ -7,11 +7,12 @@ interprets. Every part comes from a fixed vocabulary:
 - **tables** of typed columns, filled by seeded generators (id patterns, value pools,
   numeric ranges);
 - **tools**: the target's own tool schemas, each bound to a behaviour (lookup by key,
-  list/filter, guarded update, create, terminate, compute);
+  list/filter, guarded update, create, terminate, compute, or a stateless ``respond``);
 - **task templates**: tickets whose slots are filled from sampled rows, with a reference
-  action sequence that follows by construction;
-- **checks**: a weighted reward program (valid call format, required calls, order,
-  forbidden calls, final state, facts communicated);
+  action sequence that follows by construction, and optionally the subset of tools the
+  ticket offers (agents whose tools differ per request);
+- **checks**: a weighted reward program (valid call format, required calls, argument
+  values with partial credit, order, forbidden calls, final state, facts communicated);
 - an optional **hint** and **difficulty** knobs.
 
 :func:`check_spec` rejects anything the interpreter could not run faithfully, with the
@@ -36,7 +37,7 @@ FORMAT_VERSION = 1
 
 MAX_SPEC_BYTES = 64 * 1024
 MAX_TABLES, MAX_COLUMNS, MAX_ROWS = 8, 16, 50
-MAX_TOOLS, MAX_TEMPLATES, MAX_SLOTS, MAX_ACTIONS, MAX_POOL = 16, 16, 6, 8, 64
+MAX_TOOLS, MAX_TEMPLATES, MAX_SLOTS, MAX_ACTIONS, MAX_POOL = 16, 16, 8, 8, 64
 MAX_TEXT = 2000
 
 Name = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
@@ -46,8 +47,11 @@ TOOL_NAME = r"^[A-Za-z0-9_.:-]{1,128}$"
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]*))?\}")
 _DIGITS = re.compile(r"\{d(\d{1,2})\}")
 
-Behaviour = Literal["lookup", "list", "update", "create", "terminate", "compute"]
-CheckKind = Literal["valid_calls", "required_calls", "order", "forbidden", "final_state", "facts"]
+Behaviour = Literal["lookup", "list", "update", "create", "terminate", "compute", "respond"]
+CheckKind = Literal[
+    "valid_calls", "required_calls", "arguments", "order", "forbidden", "final_state", "facts"
+]
+Value = str | int | float | bool  # a pool's values keep their JSON type
 
 
 class SpecError(TracePluginError, ValueError):
@@ -60,18 +64,19 @@ class _Model(BaseModel):
 
 class Column(_Model):
     """How a column's values are generated: ``id`` from a pattern (``{dN}`` is N random
-    digits, the rest literal), ``choice``/``text`` from a pool, ``int`` from a range."""
+    digits, the rest literal), ``choice``/``text`` from a pool, ``int`` from a range,
+    ``number`` from a range to two decimals."""
 
-    kind: Literal["id", "choice", "text", "int"]
+    kind: Literal["id", "choice", "text", "int", "number"]
     pattern: str | None = Field(None, max_length=64)
-    values: list[str] = Field(default_factory=list, max_length=MAX_POOL)
-    low: int = 0
-    high: int = 100
+    values: list[Value] = Field(default_factory=list, max_length=MAX_POOL)
+    low: int | float = 0
+    high: int | float = 100
 
     @field_validator("values")
     @classmethod
-    def _short_values(cls, values: list[str]) -> list[str]:
-        if any(len(v) > 200 for v in values):
+    def _short_values(cls, values: list[Value]) -> list[Value]:
+        if any(isinstance(v, str) and len(v) > 200 for v in values):
             raise ValueError("pool values are at most 200 characters")
         return values
 
@@ -133,6 +138,10 @@ class TaskTemplate(_Model):
     reference: list[Action] = Field(default_factory=list, max_length=MAX_ACTIONS)
     facts: list[str] = Field(default_factory=list, max_length=MAX_ACTIONS)
     forbidden: list[str] = Field(default_factory=list, max_length=MAX_TOOLS)
+    tools: list[str] = Field(default_factory=list, max_length=MAX_TOOLS)  # offered; empty: all
+
+    def offers(self, tool: str) -> bool:
+        return not self.tools or tool in self.tools
 
 
 class Check(_Model):
@@ -228,8 +237,10 @@ def _column(column: Column, where: str) -> None:
             raise SpecError(f"{where}: id pattern {column.pattern!r} is malformed or too long")
     elif column.kind in ("choice", "text") and not column.values:
         raise SpecError(f"{where}: a {column.kind} column needs values")
-    elif column.kind == "int" and column.low > column.high:
+    elif column.kind in ("int", "number") and column.low > column.high:
         raise SpecError(f"{where}: low > high")
+    elif column.kind == "int" and not (isinstance(column.low, int) and isinstance(column.high, int)):
+        raise SpecError(f"{where}: an int column's range is of integers")
 
 
 def _tool(spec: EnvSpec, tool: ToolSpec) -> None:
@@ -239,7 +250,7 @@ def _tool(spec: EnvSpec, tool: ToolSpec) -> None:
     if parameters.get("type", "object") != "object" or not isinstance(parameters.get("properties", {}), dict):
         raise SpecError(f"tool {tool.name}: parameters must be a JSON object schema")
     arguments = set(parameters.get("properties", {}))
-    if tool.behaviour == "terminate":
+    if tool.behaviour in ("terminate", "respond"):
         return
     table = spec.tables.get(tool.table or "")
     if table is None:
@@ -296,10 +307,17 @@ def _template(spec: EnvSpec, template: TaskTemplate) -> None:
                     raise SpecError(f"{where}: placeholder {{{slot}.{column}}} names no slot column")
             elif slot not in template.params:
                 raise SpecError(f"{where}: placeholder {{{slot}}} names no param")
+    for name in template.tools:
+        if spec.tool(name) is None:
+            raise SpecError(f"{where}: offers missing tool {name!r}")
+    if len(set(template.tools)) != len(template.tools):
+        raise SpecError(f"{where}: offers a tool twice")
     for action in [*template.reference]:
         tool = spec.tool(action.tool)
         if tool is None:
             raise SpecError(f"{where}: reference calls missing tool {action.tool!r}")
+        if not template.offers(action.tool):
+            raise SpecError(f"{where}: reference calls {action.tool}, which the task does not offer")
         unknown = set(action.arguments) - set(tool.parameters.get("properties", {}))
         if unknown:
             raise SpecError(f"{where}: reference passes unknown arguments {sorted(unknown)} to {tool.name}")
