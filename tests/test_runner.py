@@ -117,3 +117,27 @@ async def test_chat_loop_agent_against_the_gateway(embedded_backend, local_recor
         episode = local_recorder.store.get_episode(r.episode_id)
         assert episode.source == "runner" and episode.reward == r.reward.total
         assert episode.steps[0].kind == "llm" and episode.steps[0].input["tools"][0] == "find_user"
+
+
+async def test_a_call_through_a_recording_gateway_is_one_episode_the_runners(local_recorder):
+    """The chat loop records its own episodes and tells the gateway so: the same call is not
+    stored a second time as a ``gateway`` episode. A client that says nothing is recorded."""
+    import httpx
+    from test_gateway_hostile import ScriptedBackend
+    from transformers import AutoTokenizer
+
+    from trace_plugin.gateway.app import GatewayConfig, create_app
+    from trace_plugin.gateway.server import start_in_thread
+    from trace_plugin.model_files import prepare_tokenizer, resolve_model
+
+    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(resolve_model(None), local_files_only=True))
+    app = create_app(ScriptedBackend(tokenizer, "Done."), config=GatewayConfig(), recorder=local_recorder)
+    with start_in_thread(app) as server:
+        agent = ChatLoopAgent(server.url + "/v1", "scripted", agent="loop", recorder=local_recorder)
+        [result] = await Runner(RetailEnv, agent, recorder=local_recorder).run(SEEDS[:1])
+        body = {"model": "scripted", "messages": [{"role": "user", "content": "Hi"}]}
+        assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    assert local_recorder.flush(10)
+    agents = {s.agent: s.episodes for s in local_recorder.store.stats()}
+    assert agents == {"loop": 1, "gateway": 1}  # the loop's call once, the plain client's once
+    assert [s.kind for s in local_recorder.store.get_episode(result.episode_id).steps] == ["llm"]

@@ -25,6 +25,9 @@ from trace_plugin.records.trajectory import EpisodeEnd, Step, utcnow
 from trace_plugin.tracer import ActiveEpisode, Tracer
 
 _MAX_TRACKED = 10_000
+# Sent as "false" by a client that records its own episode of its calls (the runner's chat
+# loop), so that a recording server (the gateway) does not make a second episode of them.
+RECORD_HEADER = "X-Trace-Record"
 
 
 def _digest(previous: bytes, message: dict[str, Any]) -> bytes:
@@ -90,6 +93,7 @@ class ModelCall:
     latency_ms: float | None = None
     started_at: datetime | None = None
     token_ids: Any = None
+    record: bool = True  # False: not recorded (its caller records its own episode of it)
 
 
 class ConversationEpisodes:

@@ -33,6 +33,7 @@ from trace_plugin.environments.base import (
     observation_error,
     offered_tools,
 )
+from trace_plugin.conversations import RECORD_HEADER
 from trace_plugin.recorder import Recorder, default_recorder
 from trace_plugin.records.outcome import graded_label, reward_succeeds
 from trace_plugin.records.trajectory import Feedback, new_id
@@ -96,7 +97,8 @@ class ChatLoopAgent:
         recorder: Recorder | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {api_key}"}
+        # It records its own episodes: a recording gateway must not make a second one of them.
+        self.headers = {"Authorization": f"Bearer {api_key}", RECORD_HEADER: "false"}
         self.model, self.max_turns = model, max_turns
         self.temperature, self.max_tokens = temperature, max_tokens
         self.examples = list(examples)  # few-shot messages placed after the system prompt

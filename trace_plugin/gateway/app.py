@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trace_plugin.chat_template import REPLY_FORBIDDEN
-from trace_plugin.conversations import ConversationEpisodes, ModelCall, fingerprint
+from trace_plugin.conversations import RECORD_HEADER, ConversationEpisodes, ModelCall, fingerprint
 from trace_plugin.errors import TracePluginError
 from trace_plugin.gateway.adapters import AdapterError, AdapterRegistry
 from trace_plugin.gateway.backend import Backend, BackendError, Completion, Delta, Events, SamplingParams
@@ -281,8 +281,10 @@ def create_app(
 
     def trace_ids(
         request: Request, body: ChatCompletionRequest | CompletionRequest
-    ) -> tuple[str, str | None]:
-        """The agent and the episode a call is recorded under, checked before it is served."""
+    ) -> tuple[str, str | None, bool]:
+        """The agent and the episode a call is recorded under, checked before it is served,
+        and whether it is recorded here at all."""
+        record = config.record and request.headers.get(RECORD_HEADER, "").strip().lower() != "false"
         meta = body.metadata
         agent = request.headers.get(AGENT_HEADER) or (meta and meta.trace_agent) or config.agent
         episode = request.headers.get(EPISODE_HEADER) or (meta and meta.trace_episode_id) or None
@@ -292,12 +294,12 @@ def create_app(
             raise GatewayError(400, f"{AGENT_HEADER} / metadata.trace_agent: {exc}") from exc
         if episode is not None and len(episode) > MAX_EPISODE_ID:
             raise GatewayError(400, f"{EPISODE_HEADER}: an episode id is at most {MAX_EPISODE_ID} characters")
-        return agent, episode
+        return agent, episode, record
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         started, t0 = utcnow(), time.perf_counter()
-        agent, episode = trace_ids(request, body)
+        agent, episode, record = trace_ids(request, body)
         messages = [m.to_openai() for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         adapter, router = await select(body.model, messages, tools)
@@ -327,6 +329,7 @@ def create_app(
             model=backend.model_id,
             tools=tools,
             episode_id=episode,
+            record=record,
             router=router,
             started_at=started,
         )
@@ -355,7 +358,7 @@ def create_app(
         if body.return_token_ids:
             response["prompt_token_ids"] = completions[0].prompt_token_ids
         episode_id = None
-        if config.record:
+        if call.record:
             replies = [c["message"] for c in choices]
             episode_id = record_call(
                 replace(call, adapter=served), replies, completions, body.return_token_ids, t0
@@ -416,7 +419,7 @@ def create_app(
                     extra["token_ids"] = completion.token_ids
                 yield chunk(index, {}, parsed.finish_reason, **extra)
             finished = [c for c in completions if c is not None]
-            if config.record:  # before [DONE]: a client that reads to the end finds it recorded
+            if call.record:  # before [DONE]: a client that reads to the end finds it recorded
                 if len(finished) == n:
                     record_call(call, replies, finished, body.return_token_ids, t0)
                 else:
@@ -427,13 +430,13 @@ def create_app(
             yield _sse("[DONE]")
         except BackendError as exc:  # after the status line went out: an error event, as vLLM sends
             error = _gateway_error_of(exc)
-            if config.record:
+            if call.record:
                 record_unfinished(call, [r.seen for r in readers], t0, error.message)
             recorded = True
             yield _sse({"error": {"message": error.message, "type": error.type, "param": None, "code": None}})
         finally:
             await close(stream)
-            if config.record and not recorded:
+            if call.record and not recorded:
                 record_unfinished(call, [r.seen for r in readers], t0, CANCELLED)
 
     async def close(stream: Stream) -> None:
@@ -484,7 +487,7 @@ def create_app(
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        agent, episode = trace_ids(request, body)
+        agent, episode, record = trace_ids(request, body)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         adapter, router = await select(body.model, [{"role": "user", "content": prompts[0]}], None)
         params = replace(_sampling(body, body.max_tokens or 16), top_logprobs=body.logprobs or 0)
@@ -498,6 +501,7 @@ def create_app(
                 model=backend.model_id,
                 input={"prompt": prompt},
                 episode_id=episode,
+                record=record,
                 adapter=served,
                 router=router,
                 started_at=utcnow(),
@@ -532,7 +536,7 @@ def create_app(
             "text_completion", served or backend.model_id, choices, results, fingerprint(router, served)
         )
         recorded: set[str] = set()
-        for call, t0, outs in calls if config.record else ():
+        for call, t0, outs in calls if record else ():
             replies = [{"role": "assistant", "content": c.text} for c in outs]
             recorded.add(record_call(call, replies, outs, body.return_token_ids, t0))
         headers = {ADAPTER_HEADER: served or ""}
@@ -608,20 +612,20 @@ def create_app(
                 yield chunk(event.index, tail, completion.finish_reason, **extra)
             complete = [c for c in done if c is not None]
             finished += complete
-            if config.record and len(complete) == body.n:
+            if call.record and len(complete) == body.n:
                 replies = [{"role": "assistant", "content": c.text} for c in complete]
                 record_call(call, replies, complete, body.return_token_ids, t0)
-            elif config.record:
+            elif call.record:
                 record_unfinished(call, texts, t0, ENDED_EARLY)
             recorded = True
         except BackendError as exc:
-            if config.record:
+            if call.record:
                 record_unfinished(call, texts, t0, _gateway_error_of(exc).message)
             recorded = True
             raise
         finally:
             await close(stream)
-            if config.record and not recorded:
+            if call.record and not recorded:
                 record_unfinished(call, texts, t0, CANCELLED)
 
     @app.post("/v1/embeddings")
