@@ -96,6 +96,18 @@ def test_broken_tool_call_markup_and_no_final_message():
     assert labels["tool_selection"] is NA
 
 
+def test_answering_from_guesses_with_tools_offered_lacks_tool_selection():
+    task = task_of("lookup")
+    guessed = label_episode(converse(task.seed, [], "Your order shipped on Monday."))
+    assert guessed["tool_selection"] is L  # it had the tools and called none
+    refused = label_episode(converse(task.seed, [], "Sorry, I cannot look that up."))
+    assert refused["tool_selection"] is NA
+    unoffered = Trajectory.from_messages(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    )
+    assert label_episode(unoffered)["tool_selection"] is NA  # no tools, nothing to select
+
+
 def test_unknown_tools_repeated_failures_and_loops():
     task = task_of("lookup")
     bogus = {"name": "lookup_everything", "arguments": {"q": "x1"}}

@@ -241,8 +241,13 @@ def tool_call_format(t: Trajectory, roles: Mapping[str, Role]) -> Label:
 
 
 def tool_selection(t: Trajectory, roles: Mapping[str, Role]) -> Label:
+    """Calls tools that exist and fit. Offered tools, none called (nor a call attempted in
+    broken markup), and an answer that is no refusal lacks it too: the agent answered from
+    its own guesses, a new deployment's commonest failure."""
     if not t.calls:
-        return Label.NA
+        answer = t.final_answer or ""
+        guessed = bool(answer) and not _REFUSAL.search(answer) and not _MARKUP.search(answer)
+        return Label.LACKING if t.tools_offered and guessed else Label.NA
     unknown = any(
         (t.tools_offered and c.name not in t.tools_offered) or (c.error and "unknown tool" in c.result)
         for c in t.calls
