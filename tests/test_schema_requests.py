@@ -299,3 +299,32 @@ async def test_mcp_sessions_list_their_tasks_tools_and_hear_when_they_change(tmp
         outside = next(iter(_names(TOOLS) - offered))
         result = await session.call_tool(outside, {})
         assert result.isError
+
+
+async def test_calibration_returns_the_spec_it_measured_and_never_only_no_call_requests():
+    from trace_plugin.environments.validation import Band, adjust, calibrate
+
+    spec = synthesize("tool_selection", TOOLS, system_prompt="Help.")
+
+    async def never_calls(env: SpecEnv, seed: int) -> float:  # a new deployment's base model
+        return env.reward("I think it is about 12.").total
+
+    calibrated, report = await calibrate(spec, never_calls, seeds=range(8), samples=2, band=Band(attempts=1))
+    assert calibrated == spec and len(report.attempts) == 1  # one attempt: nothing adjusted after it
+    easier = spec
+    while (step := adjust(easier, 0.0)) is not None:
+        easier = step
+        assert any(t.reference for t in easier.tasks)  # easier keeps requests that need a call
+    assert {t.kind for t in easier.tasks} == {"call_circle_area", "no_call"}
+
+
+def test_the_easier_knob_names_the_tools_to_call_in_the_request():
+    from trace_plugin.environments.validation import adjust
+
+    spec = synthesize("tool_selection", TOOLS, system_prompt="Help.")
+    easier = adjust(spec, 0.0)
+    assert easier is not None and easier.difficulty.name_tools and easier.tasks == spec.tasks
+    seed = next(s for s in range(50) if SpecEnv(spec).reset(s).kind == "call_convert_currency")
+    assert SpecEnv(easier).reset(seed).prompt == SpecEnv(spec).reset(seed).prompt + " Use convertCurrency."
+    assert check_policies(easier, range(100)).passed
+    assert not adjust(easier, 0.95).difficulty.name_tools  # the first step back when too easy

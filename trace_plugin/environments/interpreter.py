@@ -95,7 +95,10 @@ class SpecEnv:
         }
         schemas = {t.name: t.schema_ for t in self.spec.tools}
         tools = [schemas[name] for name in template.tools] or None
-        self.task = Task(seed, _fill(template.prompt, values), template.kind, metadata, tools)
+        prompt = _fill(template.prompt, values)
+        if self.spec.difficulty.name_tools and reference:
+            prompt += f" Use {' and '.join(dict.fromkeys(r['name'] for r in reference))}."
+        self.task = Task(seed, prompt, template.kind, metadata, tools)
         return self.task
 
     @property

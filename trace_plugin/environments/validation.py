@@ -177,7 +177,7 @@ async def calibrate(
         )
         if progress:
             progress(f"calibration {attempt + 1}: mean {mean:.2f}, informative {informative:.0%}")
-        if in_band:
+        if in_band or attempt == band.attempts - 1:  # the spec returned is the one measured
             break
         adjusted = adjust(spec, mean, band)
         if adjusted is None:
@@ -187,19 +187,28 @@ async def calibrate(
 
 
 def adjust(spec: EnvSpec, mean: float, band: Band = DEFAULT_BAND) -> EnvSpec | None:
-    """One step easier or harder, or None when no knob is left to turn."""
+    """One step easier or harder, or None when no knob is left to turn. Easier: no
+    distractor rows, then requests that name the tools to call, then fewer templates."""
     difficulty = spec.difficulty
     if mean > band.high:
+        if difficulty.name_tools:
+            return spec.model_copy(update={"difficulty": difficulty.model_copy(update={"name_tools": False})})
         if difficulty.distractor_rows >= 12:
             return None
         harder = difficulty.model_copy(update={"distractor_rows": difficulty.distractor_rows + 4})
         return spec.model_copy(update={"difficulty": harder})
     if difficulty.distractor_rows:
         return spec.model_copy(update={"difficulty": difficulty.model_copy(update={"distractor_rows": 0})})
-    if len(spec.tasks) > 1:  # keep the templates with the shortest reference
-        shortest = min(len(t.reference) for t in spec.tasks)
-        easier = [t for t in spec.tasks if len(t.reference) == shortest]
-        if len(easier) < len(spec.tasks):
-            return spec.model_copy(update={"tasks": easier})
-        return spec.model_copy(update={"tasks": spec.tasks[: max(1, len(spec.tasks) // 2)]})
+    if not difficulty.name_tools:  # a model that calls nothing may call what it is told to
+        return spec.model_copy(update={"difficulty": difficulty.model_copy(update={"name_tools": True})})
+    # Keep the templates with the shortest reference, then half of them. Templates whose
+    # right answer is no call stay: they are a minority by design, not an easier task.
+    acting = [t for t in spec.tasks if t.reference]
+    idle = [t for t in spec.tasks if not t.reference]
+    if len(acting) > 1:
+        shortest = min(len(t.reference) for t in acting)
+        easier = [t for t in acting if len(t.reference) == shortest]
+        if len(easier) == len(acting):
+            easier = acting[: max(1, len(acting) // 2)]
+        return spec.model_copy(update={"tasks": easier + idle})
     return None

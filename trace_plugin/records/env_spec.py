@@ -157,6 +157,7 @@ class Check(_Model):
 
 class Difficulty(_Model):
     distractor_rows: int = Field(0, ge=0, le=MAX_ROWS)  # extra rows per table, none of them the answer
+    name_tools: bool = False  # the request names the tools its reference calls (a hint in the request)
 
 
 class EnvSpec(_Model):
