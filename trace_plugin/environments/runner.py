@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from trace_plugin.conversations import RECORD_HEADER
 from trace_plugin.environments.base import (
     Environment,
     RewardBreakdown,
@@ -33,7 +34,6 @@ from trace_plugin.environments.base import (
     observation_error,
     offered_tools,
 )
-from trace_plugin.conversations import RECORD_HEADER
 from trace_plugin.recorder import Recorder, default_recorder
 from trace_plugin.records.outcome import graded_label, reward_succeeds
 from trace_plugin.records.trajectory import Feedback, new_id
