@@ -328,3 +328,12 @@ def test_the_easier_knob_names_the_tools_to_call_in_the_request():
     assert SpecEnv(easier).reset(seed).prompt == SpecEnv(spec).reset(seed).prompt + " Use convertCurrency."
     assert check_policies(easier, range(100)).passed
     assert not adjust(easier, 0.95).difficulty.name_tools  # the first step back when too easy
+
+
+def test_tools_with_many_arguments_still_synthesize_within_the_spec_limits():
+    wide = [
+        function(f"api.op{i}", {f"a{j}": {"type": "string"} for j in range(5)}, [f"a{j}" for j in range(5)])
+        for i in range(3)
+    ]
+    spec = synthesize("tool_call_format", wide, system_prompt="Help.")  # two calls would need 10 values
+    assert "two_calls" not in {t.kind for t in spec.tasks} and check_policies(spec, range(50)).passed

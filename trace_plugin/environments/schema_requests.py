@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from trace_plugin.mining.detectors import name_words
@@ -41,32 +42,53 @@ Params = dict[str, Column]
 Pool = Callable[[str], Column]  # a string parameter's name -> where its values come from
 
 
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One tool's reference call: its schema, the arguments (placeholders), their value
+    pools, and the sentence that states the values."""
+
+    schema: dict[str, Any]
+    params: Params
+    arguments: dict[str, Any]
+    statement: str
+
+    @property
+    def name(self) -> str:
+        return str(_function(self.schema)["name"])
+
+
 def requests(
     tools: list[dict[str, Any]], column: Pool
 ) -> tuple[list[TaskTemplate], list[Check], list[ToolSpec]]:
     """Templates, checks and the tools they use. ``column(param)`` gives the value pool of a
     string parameter with no enum or format (captured values, else named defaults)."""
-    usable = [(schema, made) for schema in tools if (made := _call(schema, column)) is not None]
-    if not usable:
+    calls = [call for schema in tools if (call := _call(schema, column)) is not None][:MAX_CALLED]
+    if not calls:
         return [], [], []
-    usable = usable[:MAX_CALLED]
-    names = [_function(schema)["name"] for schema, _ in usable]
+    names = [call.name for call in calls]
     tasks = []
-    for i, (schema, (params, arguments, statement)) in enumerate(usable):
-        name = names[i]
+    for i, call in enumerate(calls):
         others = _others(names, i)
         tasks.append(
             TaskTemplate(
-                kind=f"call_{_slug(name)}",
-                params=params,
-                prompt=f"{_purpose(schema)} {statement}",
-                reference=[Action(tool=name, arguments=arguments)],
-                tools=_shuffled([name, *others], i),
+                kind=f"call_{_slug(call.name)}",
+                params=call.params,
+                prompt=f"{_purpose(call.schema)} {call.statement}",
+                reference=[Action(tool=call.name, arguments=call.arguments)],
+                tools=_shuffled([call.name, *others], i),
                 forbidden=others,
             )
         )
-    if len(usable) >= 2:
-        tasks.append(_two_calls(usable[0], usable[1]))
+    pair = next(
+        (
+            (a, b)
+            for a, b in zip(calls, calls[1:], strict=False)
+            if len(a.params) + len(b.params) <= MAX_SLOTS
+        ),
+        None,
+    )
+    if pair is not None:
+        tasks.append(_two_calls(*pair))
     tasks.append(
         TaskTemplate(
             kind="no_call",
@@ -80,35 +102,30 @@ def requests(
     # No valid_calls check: a well-formed call of a made-up value would earn it, and the
     # arguments check already gives nothing for a wrong type or an invented parameter.
     checks = [Check(kind="arguments", weight=3), Check(kind="forbidden")]
-    specs = [ToolSpec(schema=schema, behaviour="respond") for schema, _ in usable]
+    specs = [ToolSpec(schema=call.schema, behaviour="respond") for call in calls]
     return tasks, checks, specs
 
 
-def _two_calls(
-    first: tuple[dict[str, Any], tuple[Params, dict[str, Any], str]],
-    second: tuple[dict[str, Any], tuple[Params, dict[str, Any], str]],
-) -> TaskTemplate:
-    """Two requests in one message, each needing its own call (parallel calls)."""
-    (a, (a_params, a_arguments, a_statement)), (b, (b_params, b_arguments, b_statement)) = first, second
-    renamed = {f"q{k[1:]}": v for k, v in b_params.items()}  # the second call's params, renamed apart
-    b_arguments = _rename(b_arguments)
-    b_statement = re.sub(r"\{p(\d+)\}", r"{q\1}", b_statement)
+def _two_calls(a: _Call, b: _Call) -> TaskTemplate:
+    """Two requests in one message, each needing its own call (parallel calls); the second
+    call's placeholders are renamed apart (``{p0}`` -> ``{q0}``)."""
     return TaskTemplate(
         kind="two_calls",
-        params={**a_params, **renamed},
-        prompt=f"Two things. First: {_purpose(a)} {a_statement} Second: {_purpose(b)} {b_statement}",
+        params={**a.params, **{f"q{k[1:]}": v for k, v in b.params.items()}},
+        prompt=f"Two things. First: {_purpose(a.schema)} {a.statement} "
+        f"Second: {_purpose(b.schema)} {_rename(b.statement)}",
         reference=[
-            Action(tool=_function(a)["name"], arguments=a_arguments),
-            Action(tool=_function(b)["name"], arguments=b_arguments),
+            Action(tool=a.name, arguments=a.arguments),
+            Action(tool=b.name, arguments=_rename(b.arguments)),
         ],
-        tools=[_function(a)["name"], _function(b)["name"]],
+        tools=[a.name, b.name],
     )
 
 
-def _call(schema: dict[str, Any], column: Pool) -> tuple[Params, dict[str, Any], str] | None:
-    """A tool's reference arguments (placeholders), their value pools and the sentence that
-    states them; None when the schema is not an object or needs more values than a
-    template holds. Required arguments, and the first optional one at each level."""
+def _call(schema: dict[str, Any], column: Pool) -> _Call | None:
+    """A tool's reference call, or None when its schema is not an object or needs more
+    values than a template holds. Required arguments, and the first optional one at each
+    level."""
     parameters = _function(schema).get("parameters") or {"type": "object", "properties": {}}
     if parameters.get("type", "object") != "object" or not isinstance(parameters.get("properties", {}), dict):
         return None
@@ -130,7 +147,7 @@ def _call(schema: dict[str, Any], column: Pool) -> tuple[Params, dict[str, Any],
     if len(params) > MAX_SLOTS:
         return None
     statement = f"Use {'; '.join(stated)}." if stated else "Nothing else is needed."
-    return params, arguments, statement
+    return _Call(schema, params, arguments, statement)
 
 
 def _chosen(schema: dict[str, Any]) -> dict[str, Any]:
