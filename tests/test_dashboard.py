@@ -439,3 +439,26 @@ def test_browser_success_plot_draws(browser: Any, served: tuple[RunningServer, C
     browser.get(f"{server.url}/capabilities")
     assert len(browser.find_elements(By.CSS_SELECTOR, "tr.capability")) == 2
     browser.save_screenshot(str(_artifacts() / "dashboard-capabilities.png"))
+
+
+def test_the_automatic_bucket_fits_the_datas_time_range(db_url: str) -> None:
+    """A one-hour run is not one daily dot: the default bucket is the finest that keeps the
+    range within MAX_BUCKETS, so before and after a deployment can be told apart."""
+    store = Store(db_url)
+    store.upgrade()
+
+    def run(at: datetime, reward: float) -> None:
+        episode = Episode(new_id(), "run", started_at=at)
+        store.write([episode, EpisodeEnd(episode.id, "completed", reward=reward)])
+
+    start = datetime(2026, 3, 1, 9, 0, tzinfo=UTC)
+    for minute in range(0, 60, 5):  # an hour of traffic, failing first, then succeeding
+        run(start + timedelta(minutes=minute), float(minute >= 30))
+    client = TestClient(create_dashboard(store))
+    html = client.get("/success").text
+    assert "(one per minute)" in html and html.count('<circle class="point"') == 12
+    assert "(one per hour)" in client.get("/success", params={"bucket": "hour"}).text
+    run(start + timedelta(days=30), 1.0)
+    assert "(one per day)" in client.get("/success").text  # a month of data: days
+    assert "(one per minute)" in client.get("/success", params={"until": "2026-03-02T00:00"}).text
+    store.close()

@@ -189,13 +189,14 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
 
     @app.get("/success")
     def success(
-        agent: str | None = None, bucket: str = "day", since: str | None = None, until: str | None = None
+        agent: str | None = None, bucket: str = "auto", since: str | None = None, until: str | None = None
     ) -> HTMLResponse:
-        size = _choice(bucket, get_args(q.Bucket), "bucket") or "day"
+        """Success over time; the ``auto`` bucket fits the data's time range."""
         agent = _blank(agent)
-        stats = q.success_buckets(
-            engine, size, agent=agent, since=_time(since, "since"), until=_time(until, "until")
-        )
+        start, end = _time(since, "since"), _time(until, "until")
+        chosen = _choice(bucket, ("auto", *get_args(q.Bucket)), "bucket") or "auto"
+        size = q.fitting_bucket(engine, agent=agent, since=start, until=end) if chosen == "auto" else chosen
+        stats = q.success_buckets(engine, size, agent=agent, since=start, until=end)
         markers = q.deployment_markers(engine, agent)
         return render(
             "success.html",
@@ -203,9 +204,10 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
             plot=build_plot(stats, size, markers),
             stats=stats,
             markers=markers,
-            form={"agent": agent, "bucket": size, "since": _blank(since), "until": _blank(until)},
+            form={"agent": agent, "bucket": chosen, "since": _blank(since), "until": _blank(until)},
             agents=q.facets(engine).agents,
-            buckets=get_args(q.Bucket),
+            buckets=("auto", *get_args(q.Bucket)),
+            bucket=size,
         )
 
     @app.get("/capabilities")

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 
-from trace_plugin.dashboard.queries import Bucket, BucketStat, Marker
+from trace_plugin.dashboard.queries import BUCKET_STEPS, Bucket, BucketStat, Marker
 
 WIDTH, HEIGHT = 960, 320
 LEFT, RIGHT, TOP, BOTTOM = 56, 56, 16, 40  # room for centred time labels at both ends
@@ -69,7 +69,7 @@ def build_plot(stats: Sequence[BucketStat], bucket: Bucket, markers: Sequence[Ma
     None when no episode has an outcome to plot."""
     if not stats:
         return None
-    step = timedelta(hours=1) if bucket == "hour" else timedelta(days=1)
+    step = BUCKET_STEPS[bucket]
     first = min(s.start for s in stats)
     last = max(s.start for s in stats) + step  # a bucket spans [start, start + step)
     span = (last - first).total_seconds()
@@ -81,7 +81,7 @@ def build_plot(stats: Sequence[BucketStat], bucket: Bucket, markers: Sequence[Ma
     def y_of(rate: float) -> float:
         return TOP + inner_h * (1 - rate)
 
-    fmt = "%Y-%m-%d %H:00" if bucket == "hour" else "%Y-%m-%d"
+    fmt = {"minute": "%Y-%m-%d %H:%M", "hour": "%Y-%m-%d %H:00", "day": "%Y-%m-%d"}[bucket]
     series: dict[str, Series] = {}
     for s in stats:
         line = series.setdefault(s.agent, Series(s.agent, COLORS[len(series) % len(COLORS)]))

@@ -8,7 +8,7 @@ CLI does not, so they live here, on the store's engine, in SQL that both dialect
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, get_args
 
 from sqlalchemy import ColumnElement, Engine, MetaData, Table, case, func, inspect, select
@@ -18,7 +18,13 @@ from trace_plugin.records.outcome import Outcome, outcome_clauses, outcome_of
 from trace_plugin.records.trajectory import EpisodeStatus
 from trace_plugin.store import tables as t
 
-Bucket = Literal["hour", "day"]
+Bucket = Literal["minute", "hour", "day"]
+BUCKET_STEPS: dict[Bucket, timedelta] = {
+    "minute": timedelta(minutes=1),
+    "hour": timedelta(hours=1),
+    "day": timedelta(days=1),
+}
+MAX_BUCKETS = 180  # the finest bucket whose count over the data's range stays within this
 OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 STATUSES: tuple[str, ...] = get_args(EpisodeStatus)
 # Tables later stages will add; the dashboard shows them once a migration creates them.
@@ -177,6 +183,32 @@ def facets(engine: Engine) -> Facets:
         return Facets(distinct(t.agents.c.name), distinct(_e.source), distinct(_e.adapter))
 
 
+_SQLITE_TRUNCATE: dict[Bucket, str] = {
+    "minute": "%Y-%m-%d %H:%M:00",
+    "hour": "%Y-%m-%d %H:00:00",
+    "day": "%Y-%m-%d 00:00:00",
+}
+
+
+def fitting_bucket(
+    engine: Engine, *, agent: str | None = None, since: datetime | None = None, until: datetime | None = None
+) -> Bucket:
+    """The finest bucket that splits the filtered episodes' time range into at most
+    ``MAX_BUCKETS``: a one-hour run gets minutes, so before and after a deployment show."""
+    where = EpisodeFilter(agent=agent, since=since, until=until).clauses()
+    query = select(func.min(_e.started_at), func.max(_e.started_at)).where(~UNKNOWN, *where)
+    with engine.connect() as conn:
+        first, last = conn.execute(query).one()
+    if first is None:
+        return "day"
+    span = _as_time(last) - _as_time(first)
+    return next((b for b, step in BUCKET_STEPS.items() if span / step <= MAX_BUCKETS), "day")
+
+
+def _as_time(value: Any) -> datetime:
+    return aware(value if isinstance(value, datetime) else datetime.fromisoformat(value))
+
+
 def success_buckets(
     engine: Engine,
     bucket: Bucket,
@@ -185,11 +217,11 @@ def success_buckets(
     since: datetime | None = None,
     until: datetime | None = None,
 ) -> list[BucketStat]:
-    """Per agent and UTC hour or day: the episodes with an outcome and their successes."""
+    """Per agent and UTC minute, hour or day: the episodes with an outcome and their successes."""
     if engine.dialect.name == "postgresql":
         start: ColumnElement[Any] = func.date_trunc(bucket, func.timezone("UTC", _e.started_at))
     else:  # SQLite keeps naive UTC text, which strftime truncates
-        start = func.strftime("%Y-%m-%d %H:00:00" if bucket == "hour" else "%Y-%m-%d 00:00:00", _e.started_at)
+        start = func.strftime(_SQLITE_TRUNCATE[bucket], _e.started_at)
     where = EpisodeFilter(agent=agent, since=since, until=until).clauses()
     # Bucket in a subquery: PostgreSQL would see date_trunc's two bound units as two expressions.
     inner = (
@@ -208,12 +240,7 @@ def success_buckets(
     )
     with engine.connect() as conn:
         rows = conn.execute(query).all()
-    return [
-        BucketStat(
-            a, aware(s if isinstance(s, datetime) else datetime.fromisoformat(s)), int(n), int(ok or 0)
-        )
-        for a, s, n, ok in rows
-    ]
+    return [BucketStat(a, _as_time(s), int(n), int(ok or 0)) for a, s, n, ok in rows]
 
 
 def _reflect(conn: Connection, name: str) -> Table | None:
