@@ -251,7 +251,7 @@ def test_captured_script_renders_inert(client: TestClient, corpus: Corpus) -> No
 
 
 def test_success_plot_draws_points_and_deployment_markers(client: TestClient, corpus: Corpus) -> None:
-    html = client.get("/success").text
+    html = client.get("/success", params={"bucket": "day"}).text
     assert '<svg id="success-plot"' in html and "<polyline" in html
     assert "alpha · 2026-03-01 UTC · 1/2 = 50%" in html
     assert '<g class="marker">' not in html  # nothing deployed yet

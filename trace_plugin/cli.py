@@ -609,10 +609,19 @@ def improve(
     min_new_episodes: Annotated[
         int, typer.Option(help="Trigger: labeled episodes since the last cycle.")
     ] = 50,
+    canary: Annotated[
+        float | None,
+        typer.Option(
+            help="Deploy as a canary on this share of the traffic; the monitor (--watch) promotes"
+            " it or rolls it back against the rest of the traffic."
+        ),
+    ] = None,
     admin_token: Annotated[str | None, typer.Option(envvar="TRACE_PLUGIN_ADMIN_TOKEN")] = None,
     db: DbOption = None,
 ) -> None:
     """Mine, synthesize, train, judge and deploy, once or continuously (one improver per agent)."""
+    if canary is not None and not 0 < canary < 1:
+        raise typer.BadParameter("a share of the traffic, between 0 and 1", param_hint="--canary")
     from trace_plugin.improver import Improver, ImproverConfig
     from trace_plugin.recorder import configure
     from trace_plugin.store.lease import LeaseHeld
@@ -641,6 +650,7 @@ def improve(
         preset=preset,
         training={"rollout_budget": rollouts},
         router=router,
+        canary=canary,
     )
     improver = Improver(_store(db), config, executor=executor, recorder=configure(db), console=console)
     try:
@@ -648,7 +658,9 @@ def improve(
             improver.watch()
         else:
             deployment = improver.run_once()
-            console.print(f"deployed {deployment.id}" if deployment else "nothing deployed this cycle")
+            console.print(
+                f"{deployment.id}: {deployment.status}" if deployment else "nothing deployed this cycle"
+            )
     except LeaseHeld as exc:
         console.print(f"[red]{exc}: another improver is running for {agent!r}[/]")
         raise typer.Exit(3) from None

@@ -196,7 +196,8 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
         start, end = _time(since, "since"), _time(until, "until")
         chosen = _choice(bucket, ("auto", *get_args(q.Bucket)), "bucket") or "auto"
         size = q.fitting_bucket(engine, agent=agent, since=start, until=end) if chosen == "auto" else chosen
-        stats = q.success_buckets(engine, size, agent=agent, since=start, until=end)
+        canaries = q.canary_routers(engine, agent)
+        stats = q.success_buckets(engine, size, agent=agent, since=start, until=end, canaries=canaries)
         markers = q.deployment_markers(engine, agent)
         return render(
             "success.html",

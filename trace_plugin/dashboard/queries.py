@@ -7,6 +7,7 @@ CLI does not, so they live here, on the store's engine, in SQL that both dialect
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, get_args
@@ -15,6 +16,7 @@ from sqlalchemy import ColumnElement, Engine, MetaData, Table, case, func, inspe
 from sqlalchemy.engine import Connection
 
 from trace_plugin.records.outcome import Outcome, outcome_clauses, outcome_of
+from trace_plugin.records.router_spec import router_version
 from trace_plugin.records.trajectory import EpisodeStatus
 from trace_plugin.store import tables as t
 
@@ -25,6 +27,7 @@ BUCKET_STEPS: dict[Bucket, timedelta] = {
     "day": timedelta(days=1),
 }
 MAX_BUCKETS = 180  # the finest bucket whose count over the data's range stays within this
+CANARY_SERIES = " · canary"  # appended to an agent's name for the traffic its canary served
 OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 STATUSES: tuple[str, ...] = get_args(EpisodeStatus)
 # Tables later stages will add; the dashboard shows them once a migration creates them.
@@ -201,12 +204,8 @@ def fitting_bucket(
         first, last = conn.execute(query).one()
     if first is None:
         return "day"
-    span = _as_time(last) - _as_time(first)
+    span = aware(_as_datetime(last)) - aware(_as_datetime(first))
     return next((b for b, step in BUCKET_STEPS.items() if span / step <= MAX_BUCKETS), "day")
-
-
-def _as_time(value: Any) -> datetime:
-    return aware(value if isinstance(value, datetime) else datetime.fromisoformat(value))
 
 
 def success_buckets(
@@ -216,17 +215,23 @@ def success_buckets(
     agent: str | None = None,
     since: datetime | None = None,
     until: datetime | None = None,
+    canaries: Sequence[str] = (),
 ) -> list[BucketStat]:
-    """Per agent and UTC minute, hour or day: the episodes with an outcome and their successes."""
+    """Per agent and UTC minute, hour or day: the episodes with an outcome and their
+    successes. Episodes served by one of the ``canaries`` router versions (a deployment on
+    trial) form their own series, ``AGENT · canary``."""
     if engine.dialect.name == "postgresql":
         start: ColumnElement[Any] = func.date_trunc(bucket, func.timezone("UTC", _e.started_at))
     else:  # SQLite keeps naive UTC text, which strftime truncates
         start = func.strftime(_SQLITE_TRUNCATE[bucket], _e.started_at)
     where = EpisodeFilter(agent=agent, since=since, until=until).clauses()
+    series = (
+        case((_e.router.in_(canaries), _e.agent + CANARY_SERIES), else_=_e.agent) if canaries else _e.agent
+    )
     # Bucket in a subquery: PostgreSQL would see date_trunc's two bound units as two expressions.
     inner = (
         select(
-            _e.agent.label("agent"),
+            series.label("agent"),
             start.label("start"),
             case((SUCCESS, 1), else_=0).label("success"),
         )
@@ -240,7 +245,7 @@ def success_buckets(
     )
     with engine.connect() as conn:
         rows = conn.execute(query).all()
-    return [BucketStat(a, _as_time(s), int(n), int(ok or 0)) for a, s, n, ok in rows]
+    return [BucketStat(a, aware(_as_datetime(s)), int(n), int(ok or 0)) for a, s, n, ok in rows]
 
 
 def _reflect(conn: Connection, name: str) -> Table | None:
@@ -268,6 +273,17 @@ def deployment_markers(engine: Engine, agent: str | None = None) -> list[Marker]
     with engine.connect() as conn:
         rows = conn.execute(query).all()
     return [Marker(aware(_as_datetime(at)), f"{ident} ({status})") for at, ident, status in rows]
+
+
+def canary_routers(engine: Engine, agent: str | None = None) -> list[str]:
+    """The router versions of the deployments on trial: the episodes they serve are the
+    canary series."""
+    d = t.deployments.c
+    query = select(d.router).where(d.status == "canary")
+    if agent is not None:
+        query = query.where(d.agent == agent)
+    with engine.connect() as conn:
+        return [router_version(spec) for spec in conn.execute(query).scalars()]
 
 
 def _as_datetime(value: Any) -> datetime:

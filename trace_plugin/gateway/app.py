@@ -42,6 +42,7 @@ from trace_plugin.gateway.protocol import (
     UnloadAdapterRequest,
 )
 from trace_plugin.gateway.routing import (
+    CanaryRouter,
     Router,
     RouterSpecError,
     StaticRouter,
@@ -237,6 +238,8 @@ def create_app(
         )
         if routed or candidate is not None:
             router = candidate or app.state.router
+            if isinstance(router, CanaryRouter):  # the request's arm is the router it records
+                router = router.arm(messages)
             start = time.perf_counter()
             choice = await router.route(messages, tools)
             app.state.routing_seconds += time.perf_counter() - start

@@ -27,6 +27,7 @@ from trace_plugin.chat_template import content_text, gate_input
 from trace_plugin.gateway.backend import Backend, SamplingParams
 from trace_plugin.records.mixture import Mixture
 from trace_plugin.records.router_spec import (
+    CanarySpec,
     ClassifierSpec,
     CorpusEntry,
     ExpertEntry,
@@ -41,6 +42,7 @@ from trace_plugin.records.router_spec import (
 )
 
 __all__ = [
+    "CanaryRouter",
     "ClassifierRouter",
     "ExpertChoice",
     "GateRouter",
@@ -314,10 +316,31 @@ class GateRouter:
         return choice
 
 
+class CanaryRouter:
+    """A deployment on trial: ``share`` of the requests go to ``candidate``, the rest to
+    ``main``, by a hash of the latest user message (an agent's turns on one request share
+    it). The gateway asks for the request's ``arm`` and stamps that router's version on the
+    episode, so the monitor can compare the two."""
+
+    def __init__(self, main: Router, candidate: Router, share: float) -> None:
+        self.main, self.candidate, self.share = main, candidate, share
+        self.spec = CanarySpec(share=share, main=main.spec, candidate=candidate.spec).to_dict()
+
+    def arm(self, messages: list[dict[str, Any]]) -> Router:
+        digest = hashlib.sha256(_last_user(messages).encode()).digest()
+        return self.candidate if int.from_bytes(digest[:8], "big") / 2**64 < self.share else self.main
+
+    async def route(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Mixture:
+        return await self.arm(messages).route(messages, tools)
+
+
 def router_from_spec(spec: RouterSpec | dict[str, Any], backend: Backend) -> Router:
     """Build the router a spec (a model, or a dict validated as one) describes;
     RouterSpecError says what is wrong with it."""
     model = parse_router_spec(spec)
+    if isinstance(model, CanarySpec):
+        main, candidate = (router_from_spec(arm, backend) for arm in (model.main, model.candidate))
+        return CanaryRouter(main, candidate, model.share)
     try:
         if isinstance(model, StaticSpec):
             return StaticRouter(model.adapter)

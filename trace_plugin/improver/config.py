@@ -60,6 +60,10 @@ class ImproverConfig:
     retrain_below: float = 0.9  # a covered capability is retrained only when its expert scores below
     monitor_window: int = 50  # episodes compared when monitoring
     rollback_drop: float = 0.1  # roll back when live success falls this far below the previous
+    # Deploy as a canary on this share of the traffic (None: switch all of it): the monitor
+    # promotes it, or rolls it back when its success over monitor_window episodes falls
+    # rollback_drop below the rest of the traffic's over the same time.
+    canary: float | None = None
     max_tokens: int = 160
     lease_ttl: float = 30.0  # on SQLite, how long a killed improver keeps others out
 
@@ -67,6 +71,8 @@ class ImproverConfig:
         # Absolute: experts are loaded by their stored path, which a gateway would resolve
         # under its own adapter root were it relative.
         self.adapter_root = Path(self.adapter_root).resolve()
+        if self.canary is not None and not 0 < self.canary < 1:
+            raise ValueError(f"canary is a share of the traffic, between 0 and 1, not {self.canary}")
         if self.router not in get_args(Router):
             raise ValueError(f"router must be one of {get_args(Router)}, not {self.router!r}")
         if not isinstance(self.training, ExpertTrainingConfig):

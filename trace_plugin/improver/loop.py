@@ -98,7 +98,8 @@ class Improver:
         return monitor.due(self)
 
     def monitor(self) -> Deployment | None:
-        """Roll the live deployment back when its success rate fell below the previous one's."""
+        """Promote or roll back a canary once its window is full; roll the live deployment
+        back when its success rate fell below the previous one's."""
         return monitor.monitor(self)
 
     def _open_cycle(self) -> str:
@@ -276,6 +277,11 @@ class Improver:
         """The agent's live deployment, if any."""
         live = self.store.deployments(self.config.agent, status="live")
         return live[-1] if live else None
+
+    def canary(self) -> Deployment | None:
+        """The agent's deployment on trial beside the live one, if any."""
+        trial = self.store.deployments(self.config.agent, status="canary")
+        return trial[-1] if trial else None
 
     def spec(self, capability: str, experts: dict[str, str] | None = None) -> EnvSpec:
         """The environment ``capability``'s expert (:meth:`expert_of`) trained in."""

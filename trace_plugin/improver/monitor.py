@@ -10,6 +10,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from trace_plugin.records.deployment import Deployment
+from trace_plugin.records.router_spec import StaticSpec, router_version
 from trace_plugin.records.trajectory import utcnow
 
 if TYPE_CHECKING:
@@ -17,8 +18,11 @@ if TYPE_CHECKING:
 
 
 def due(improver: Improver) -> bool:
-    """Whether a trigger fired: new labeled episodes, the failure rate, or the schedule."""
+    """Whether a trigger fired: new labeled episodes, the failure rate, or the schedule.
+    Never while a canary is on trial: its verdict comes first."""
     store, config = improver.store, improver.config
+    if improver.canary() is not None:
+        return False
     cycles = [j for j in store.jobs(config.agent) if j.stage == "cycle"]
     if any(j.status == "running" for j in cycles):
         return True
@@ -36,7 +40,11 @@ def due(improver: Improver) -> bool:
 
 
 def monitor(improver: Improver) -> Deployment | None:
-    """Roll the live deployment back when its success rate fell below the previous one's."""
+    """Judge a canary on trial (:func:`judge_canary`), else roll the live deployment back
+    when its success rate fell below the previous one's. Returns what is live after a change."""
+    trial = improver.canary()
+    if trial is not None:
+        return judge_canary(improver, trial)
     store, config = improver.store, improver.config
     deployments = store.deployments(config.agent)
     live = [d for d in deployments if d.status == "live"]
@@ -65,3 +73,35 @@ def monitor(improver: Improver) -> Deployment | None:
     store.make_live(previous, retire=current)  # one transaction: never no live deployment
     improver.console.log(f"[red]rolled back {current.id}[/]: {current.reasons[-1]}")
     return previous
+
+
+def judge_canary(improver: Improver, trial: Deployment) -> Deployment | None:
+    """Once the canary and the rest of the traffic each have ``monitor_window`` episodes
+    with an outcome since it went out, promote it, or roll it back when its success rate
+    is more than ``rollback_drop`` below the rest's. None while the window fills."""
+    store, config = improver.store, improver.config
+    served, rest = store.arm_outcomes(
+        config.agent, trial.updated_at, router_version(trial.router), last=config.monitor_window
+    )
+    if min(served.labeled, rest.labeled) < config.monitor_window:
+        return None
+    canary_rate, rest_rate = served.success_rate or 0.0, rest.success_rate or 0.0
+    figures = (
+        f"canary success {canary_rate:.2f} against {rest_rate:.2f} for the rest, "
+        f"{config.monitor_window} episodes each"
+    )
+    live = improver.live()
+    if canary_rate < rest_rate - config.rollback_drop:
+        asyncio.run(improver.gateway.set_router(live.router if live else StaticSpec().to_dict()))
+        trial.status, trial.reasons = (
+            "rolled_back",
+            [*trial.reasons, f"{figures}: more than {config.rollback_drop} below"],
+        )
+        store.save_deployment(trial)
+        improver.console.log(f"[red]rolled back canary {trial.id}[/]: {trial.reasons[-1]}")
+        return live
+    asyncio.run(improver.gateway.set_router(trial.router))
+    trial.reasons = [*trial.reasons, f"promoted: {figures}"]
+    store.make_live(trial)  # one transaction: the live one before is superseded
+    improver.console.log(f"[green]promoted canary {trial.id}[/]: {figures}")
+    return trial

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trace_plugin.chat_template import gate_input
 from trace_plugin.environments.catalog import chat_player, prepare_environment
@@ -24,6 +24,7 @@ from trace_plugin.records.deployment import Deployment
 from trace_plugin.records.env_spec import EnvSpec, SpecError
 from trace_plugin.records.expert import Expert
 from trace_plugin.records.router_spec import (
+    CanarySpec,
     ClassifierSpec,
     CorpusEntry,
     ExpertEntry,
@@ -250,31 +251,56 @@ def router_spec(
 
 
 async def deploy(improver: Improver, deployment: Deployment) -> Deployed:
-    """Switch the live router; confirm the gateway serves exactly what was evaluated."""
+    """Switch the live router, or with ``canary`` set send that share of the traffic to the
+    deployment on trial; confirm the gateway serves exactly what was evaluated."""
     gateway = improver.gateway
     for name in deployment.adapters.values():
         if name not in await gateway.adapters():
             raise DeployError(f"adapter {name} is not loaded; refusing to switch traffic")
-    await gateway.set_router(deployment.router)
-    if await gateway.router() != deployment.router:
+    share = improver.config.canary
+    router = deployment.router if share is None else canary_router(improver.live(), deployment, share)
+    await gateway.set_router(router)
+    if await gateway.router() != router:
         raise DeployError("the gateway did not take the new router")
-    improver.store.make_live(deployment)
-    improver.console.log(f"[green]deployed {deployment.id}[/]: {deployment.adapters}")
+    if share is None:
+        improver.store.make_live(deployment)
+        improver.console.log(f"[green]deployed {deployment.id}[/]: {deployment.adapters}")
+    else:
+        deployment.status = "canary"
+        improver.store.save_deployment(deployment)
+        improver.console.log(
+            f"[green]canary {deployment.id}[/] on {share:.0%} of the traffic: {deployment.adapters}"
+        )
     return Deployed(deployment=deployment.id)
+
+
+def canary_router(live: Deployment | None, canary: Deployment, share: float) -> dict[str, Any]:
+    """The router that tries ``canary`` on ``share`` of the traffic beside the live one."""
+    main = live.router if live is not None else StaticSpec().to_dict()
+    return CanarySpec(share=share, main=main, candidate=canary.router).to_dict()
 
 
 async def restore(improver: Improver) -> Deployment | None:
     """Serve the live deployment again on a gateway that restarted (one starts on the base
-    model): its adapters, then its router. None when nothing is live."""
-    live = improver.live()
-    if live is None:
+    model): its adapters, then its router, with a canary on trial beside it. None when
+    nothing is live or on trial."""
+    live, trial, share = improver.live(), improver.canary(), improver.config.canary
+    if trial is not None and share is None:  # this improver runs no canaries: end the trial
+        trial.status, trial.reasons = "rolled_back", [*trial.reasons, "restored without a canary share"]
+        improver.store.save_deployment(trial)
+        trial = None
+    if live is None and trial is None:
         return None
     paths = {e.adapter_name: e.adapter_path for e in improver.store.experts(improver.config.agent)}
-    for name in live.adapters.values():
-        if not paths.get(name):
-            raise DeployError(f"the live adapter {name} has no trained expert in the store to load")
-        await improver.gateway.ensure_adapter(name, paths[name])
-    await improver.gateway.set_router(live.router)
+    for deployment in (d for d in (live, trial) if d is not None):
+        for name in deployment.adapters.values():
+            if not paths.get(name):
+                raise DeployError(f"the adapter {name} has no trained expert in the store to load")
+            await improver.gateway.ensure_adapter(name, paths[name])
+    if trial is not None and share is not None:
+        await improver.gateway.set_router(canary_router(live, trial, share))
+    elif live is not None:
+        await improver.gateway.set_router(live.router)
     return live
 
 

@@ -14,7 +14,9 @@ from typing import Any, Literal
 
 from trace_plugin.records.trajectory import utcnow
 
-DeploymentStatus = Literal["live", "rejected", "superseded", "rolled_back"]
+# "canary": on trial, serving a share of the traffic beside the live one until the monitor
+# promotes it (live) or rolls it back.
+DeploymentStatus = Literal["live", "canary", "rejected", "superseded", "rolled_back"]
 
 
 @dataclass(slots=True)

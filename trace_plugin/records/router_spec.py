@@ -2,7 +2,7 @@
 
 Deployments store a spec, the gateway's admin API accepts one, the improver builds them
 and ``training.gate`` fits the weights of one; :func:`~trace_plugin.gateway.routing.router_from_spec`
-turns a spec into a router. A spec is one of four kinds, told apart by ``kind``:
+turns a spec into a router. A spec is one of five kinds, told apart by ``kind``:
 
 - ``{"kind": "static", "adapter": NAME | null}``;
 - ``{"kind": "keyword", "rules": [[[WORDS], NAME]], "default": NAME | null}``;
@@ -12,7 +12,9 @@ turns a spec into a router. A spec is one of four kinds, told apart by ``kind``:
   label probabilities, nucleus-filtered, weigh a mixture of them;
 - ``{"kind": "gate", "choices": [null, NAME, ...], "mean", "scale", "projection", "weight", "bias"}``:
   the paper's learned gate, a softmax per decoder layer over the base model and the
-  experts, from the base model's embedding of the request.
+  experts, from the base model's embedding of the request;
+- ``{"kind": "canary", "share", "main": SPEC, "candidate": SPEC}``: a deployment on
+  trial, ``share`` of the conversations routed by ``candidate`` and the rest by ``main``.
 
 A spec's digest (:func:`router_version`) is stamped on every episode the router served and
 kept with every deployment, so a model serializes to exactly the JSON these dicts always had:
@@ -39,7 +41,7 @@ from pydantic import (
 from trace_plugin.errors import TracePluginError
 
 FORMAT_VERSION = 1
-KINDS = ("static", "keyword", "classifier", "gate")
+KINDS = ("static", "keyword", "classifier", "gate", "canary")
 
 
 class RouterSpecError(TracePluginError, ValueError):
@@ -159,7 +161,28 @@ class GateSpec(_Spec):
         return list(self.choices)
 
 
-RouterSpec = Annotated[StaticSpec | KeywordSpec | ClassifierSpec | GateSpec, Field(discriminator="kind")]
+# A router that routes by itself; a canary splits traffic between two of them.
+RoutingSpec = Annotated[StaticSpec | KeywordSpec | ClassifierSpec | GateSpec, Field(discriminator="kind")]
+
+
+class CanarySpec(_Spec):
+    """``share`` of the conversations to ``candidate``, the rest to ``main``. A request's
+    arm follows from its latest user message, so an agent's turns on one request stay on
+    one arm, and each episode records its arm's router version: that is how canary traffic
+    is told from the rest."""
+
+    kind: Literal["canary"] = "canary"
+    share: float = Field(gt=0, lt=1)
+    main: RoutingSpec
+    candidate: RoutingSpec
+
+    def adapters(self) -> list[str | None]:
+        return [*self.main.adapters(), *self.candidate.adapters()]
+
+
+RouterSpec = Annotated[
+    StaticSpec | KeywordSpec | ClassifierSpec | GateSpec | CanarySpec, Field(discriminator="kind")
+]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(RouterSpec)
 
 

@@ -543,6 +543,38 @@ class Store:
                 windows[index] = OutcomeWindow(labeled, int(in_recent or 0), int(successes or 0))
         return windows
 
+    def arm_outcomes(
+        self, agent: str, since: datetime, router: str, *, last: int | None = None
+    ) -> tuple[OutcomeWindow, OutcomeWindow]:
+        """``agent``'s finished episodes with an outcome since ``since``: those the router
+        version ``router`` served (a canary's candidate), and the rest; successes among the
+        ``last`` latest of each."""
+        e = t.episodes.c
+        outcome = outcome_clauses(e.label, e.reward)
+        arm = case((e.router == router, 1), else_=0)
+        query = select(
+            arm.label("arm"),
+            case((outcome.success, 1), else_=0).label("ok"),
+            func.row_number()
+            .over(partition_by=arm, order_by=(e.started_at.desc(), e.id.desc()))
+            .label("rank"),
+        ).where(
+            e.agent == agent, e.status != "running", e.started_at >= since, outcome.success | outcome.failure
+        )
+        inner = query.subquery()
+        recent = inner.c.rank <= last if last is not None else inner.c.rank > 0
+        totals = select(
+            inner.c.arm,
+            func.count(),
+            func.sum(case((recent, 1), else_=0)),
+            func.sum(case((recent, inner.c.ok), else_=0)),
+        ).group_by(inner.c.arm)
+        windows = [OutcomeWindow(0, 0, 0), OutcomeWindow(0, 0, 0)]
+        with self._read_engine.connect() as conn:
+            for index, labeled, in_recent, successes in conn.execute(totals):
+                windows[index] = OutcomeWindow(labeled, int(in_recent or 0), int(successes or 0))
+        return windows[1], windows[0]
+
     def _upsert(self, table: t.Table, agent: str, row: dict[str, Any]) -> None:
         """Update the row with this primary key, or insert it (the agent row first)."""
         with self.engine.begin() as conn:

@@ -194,7 +194,7 @@ deployments = Table(
     metadata,
     Column("id", String(64), primary_key=True),  # the cycle that produced it
     Column("agent", String(AGENT_NAME_LENGTH), ForeignKey("agents.name"), nullable=False),
-    Column("status", String(16), nullable=False),  # "live", "rejected", "superseded", "rolled_back"
+    Column("status", String(16), nullable=False),  # "live", "canary", "rejected", "superseded", "rolled_back"
     Column("adapters", Json, nullable=False),  # capability -> name@version
     Column("router", Json, nullable=False),  # the router spec the gateway runs
     Column("evaluation", Json, nullable=False),  # what the deploy verdict compared
