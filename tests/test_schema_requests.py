@@ -311,6 +311,8 @@ async def test_calibration_returns_the_spec_it_measured_and_never_only_no_call_r
 
     calibrated, report = await calibrate(spec, never_calls, seeds=range(8), samples=2, band=Band(attempts=1))
     assert calibrated == spec and len(report.attempts) == 1  # one attempt: nothing adjusted after it
+    assert report.verdict.startswith("not learnable after 1 attempt(s): mean reward")  # and says why
+    assert "too few groups differ for GRPO to learn from" in report.to_dict()["verdict"]
     easier = spec
     while (step := adjust(easier, 0.0)) is not None:
         easier = step

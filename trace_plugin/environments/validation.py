@@ -131,8 +131,33 @@ class Calibration:
     def in_band(self) -> bool:
         return bool(self.attempts) and self.attempts[-1]["in_band"]
 
+    @property
+    def verdict(self) -> str:
+        """In plain words, whether the base model gets a learning signal here, and if not why."""
+        if not self.attempts:
+            return "not calibrated"
+        last, band = self.attempts[-1], self.band
+        figures = f"mean reward {last['mean_reward']:.2f}, {last['informative']:.0%} of groups informative"
+        if self.in_band:
+            return f"learnable: {figures}"
+        if last["mean_reward"] > band.high:
+            why = f"the base model already solves it (above {band.high})"
+        elif last["informative"] < band.informative:
+            why = (
+                f"too few groups differ for GRPO to learn from (needs {band.informative:.0%}): "
+                "the base model's samples of a task almost always score alike"
+            )
+        else:
+            why = f"the base model scores too little (below {band.low})"
+        return f"not learnable after {len(self.attempts)} attempt(s): {figures}; {why}"
+
     def to_dict(self) -> dict[str, Any]:
-        return {"band": asdict(self.band), "attempts": self.attempts, "in_band": self.in_band}
+        return {
+            "band": asdict(self.band),
+            "attempts": self.attempts,
+            "in_band": self.in_band,
+            "verdict": self.verdict,
+        }
 
 
 async def calibrate(

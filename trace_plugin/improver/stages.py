@@ -89,7 +89,10 @@ async def synthesize(improver: Improver, capability: str) -> Synthesized:
             )
         except SpecError as exc:  # this capability cannot be exercised here; the next one may be
             return Synthesized(env="", version=0, status="unsynthesizable", reason=str(exc))
-    improver.console.log(f"{record.spec.name} v{record.version}: {record.status}")
+    verdict = (record.report.get("calibration") or {}).get("verdict")
+    improver.console.log(
+        f"{record.spec.name} v{record.version}: {record.status}" + (f"; {verdict}" if verdict else "")
+    )
     return Synthesized(env=record.spec.name, version=record.version, status=record.status)
 
 
