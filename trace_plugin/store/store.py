@@ -517,31 +517,10 @@ class Store:
         counted among each period's ``last`` latest episodes (all of them without ``last``).
         """
         e = t.episodes.c
-        outcome = outcome_clauses(e.label, e.reward)
         opened = [(e.started_at >= start, i) for i, start in reversed(list(enumerate(starts))) if start]
         period = case(*opened, else_=0) if opened else literal(0)
-        query = select(
-            period.label("period"),
-            case((outcome.success, 1), else_=0).label("ok"),
-            func.row_number()
-            .over(partition_by=period, order_by=(e.started_at.desc(), e.id.desc()))
-            .label("rank"),
-        ).where(e.agent == agent, e.status != "running", outcome.success | outcome.failure)
-        if starts and starts[0] is not None:
-            query = query.where(e.started_at >= starts[0])
-        inner = query.subquery()
-        recent = inner.c.rank <= last if last is not None else inner.c.rank > 0
-        totals = select(
-            inner.c.period,
-            func.count(),
-            func.sum(case((recent, 1), else_=0)),
-            func.sum(case((recent, inner.c.ok), else_=0)),
-        ).group_by(inner.c.period)
-        windows = [OutcomeWindow(0, 0, 0) for _ in starts or [None]]
-        with self._read_engine.connect() as conn:
-            for index, labeled, in_recent, successes in conn.execute(totals):
-                windows[index] = OutcomeWindow(labeled, int(in_recent or 0), int(successes or 0))
-        return windows
+        where = [e.started_at >= starts[0]] if starts and starts[0] is not None else []
+        return self._windows(agent, period, len(starts) or 1, where, last)
 
     def arm_outcomes(
         self, agent: str, since: datetime, router: str, *, last: int | None = None
@@ -550,30 +529,42 @@ class Store:
         version ``router`` served (a canary's candidate), and the rest; successes among the
         ``last`` latest of each."""
         e = t.episodes.c
-        outcome = outcome_clauses(e.label, e.reward)
-        arm = case((e.router == router, 1), else_=0)
-        query = select(
-            arm.label("arm"),
-            case((outcome.success, 1), else_=0).label("ok"),
-            func.row_number()
-            .over(partition_by=arm, order_by=(e.started_at.desc(), e.id.desc()))
-            .label("rank"),
-        ).where(
-            e.agent == agent, e.status != "running", e.started_at >= since, outcome.success | outcome.failure
+        rest, served = self._windows(
+            agent, case((e.router == router, 1), else_=0), 2, [e.started_at >= since], last
         )
-        inner = query.subquery()
+        return served, rest
+
+    def _windows(
+        self, agent: str, group: Any, groups: int, where: list[Any], last: int | None
+    ) -> list[OutcomeWindow]:
+        """``agent``'s finished episodes with an outcome (and ``where``), per value of
+        ``group`` (an integer expression in ``range(groups)``), the successes counted among
+        each group's ``last`` latest; one query."""
+        e = t.episodes.c
+        outcome = outcome_clauses(e.label, e.reward)
+        inner = (
+            select(
+                group.label("part"),
+                case((outcome.success, 1), else_=0).label("ok"),
+                func.row_number()
+                .over(partition_by=group, order_by=(e.started_at.desc(), e.id.desc()))
+                .label("rank"),
+            )
+            .where(e.agent == agent, e.status != "running", outcome.success | outcome.failure, *where)
+            .subquery()
+        )
         recent = inner.c.rank <= last if last is not None else inner.c.rank > 0
         totals = select(
-            inner.c.arm,
+            inner.c.part,
             func.count(),
             func.sum(case((recent, 1), else_=0)),
             func.sum(case((recent, inner.c.ok), else_=0)),
-        ).group_by(inner.c.arm)
-        windows = [OutcomeWindow(0, 0, 0), OutcomeWindow(0, 0, 0)]
+        ).group_by(inner.c.part)
+        windows = [OutcomeWindow(0, 0, 0) for _ in range(groups)]
         with self._read_engine.connect() as conn:
             for index, labeled, in_recent, successes in conn.execute(totals):
                 windows[index] = OutcomeWindow(labeled, int(in_recent or 0), int(successes or 0))
-        return windows[1], windows[0]
+        return windows
 
     def _upsert(self, table: t.Table, agent: str, row: dict[str, Any]) -> None:
         """Update the row with this primary key, or insert it (the agent row first)."""
