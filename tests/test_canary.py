@@ -57,7 +57,7 @@ def test_a_request_keeps_its_arm_and_the_arms_take_their_shares():
 
 
 @pytest.fixture
-def world(tmp_path):
+def world(tmp_path, db_url):
     """A recording gateway on a scripted model, the store, and an improver deploying as a
     canary on half the traffic, with a live deployment and one on trial."""
     from transformers import AutoTokenizer
@@ -65,7 +65,7 @@ def world(tmp_path):
     from trace_plugin.model_files import prepare_tokenizer, resolve_model
 
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(resolve_model(None), local_files_only=True))
-    store = Store(f"sqlite:///{tmp_path / 'canary.db'}")
+    store = Store(db_url)
     store.upgrade()
     recorder = Recorder(store.url)
     app = create_app(
