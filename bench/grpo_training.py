@@ -187,7 +187,9 @@ def generation(reps: int) -> dict:
         "unshared_s": sum(seconds[False]) / reps,
         "shared_s": sum(seconds[True]) / reps,
         "same_tokens": tokens[False] == tokens[True],
-        "prompt_tokens": len(player._prompt_ids(RetailEnv(), RetailEnv().reset(seeds[0]).prompt)),
+        "prompt_tokens": len(
+            player._prompt_ids(RetailEnv(), RetailEnv.tools, RetailEnv().reset(seeds[0]).prompt)
+        ),
     }
 
 

@@ -478,7 +478,10 @@ def test_generating_on_the_shared_prefix_changes_no_token(tmp_path, tokenizer):
     random_adapter(resolve_model(), tmp_path / "lora", seed=3, scale=4.0)
     model = PeftModel.from_pretrained(base, str(tmp_path / "lora")).eval()
     player = EpisodePlayer(tokenizer, RetailEnv, max_turns=2, max_observation_chars=800)
-    tickets = [player._prompt_ids(RetailEnv(), RetailEnv().reset(seed).prompt) for seed in (10_000, 10_001)]
+    tickets = [
+        player._prompt_ids(RetailEnv(), RetailEnv.tools, RetailEnv().reset(seed).prompt)
+        for seed in (10_000, 10_001)
+    ]
     later = tokenizer(
         '<tool_call>\n{"name": "get_order", "arguments": {}}\n</tool_call><|im_end|>\n<|im_start|>user\n'
         '<tool_response>\n"not found"\n</tool_response><|im_end|>\n<|im_start|>assistant\n',
