@@ -3,13 +3,12 @@
 A request is ``{"messages": [...], "tools": [OpenAI function schemas]}``: the functions it
 may use differ from one request to the next, so the model binds the request's own tools
 on every turn. ``run`` executes a call: in production the functions of
-:mod:`function_agent.tools`; inside a trace-plugin environment, that environment's ``step``.
-One decorator records every run.
+:mod:`function_agent.tools` (``tools.answer``); inside a trace-plugin environment, that
+environment's ``step``. One decorator records every run.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Annotated, Any, TypedDict
 
@@ -32,16 +31,8 @@ class Request(TypedDict):
     tools: list[dict[str, Any]]  # the functions this request offers
 
 
-def run_locally(name: str, arguments: dict[str, Any]) -> str:
-    """Production: the agent's own functions; an error goes back to the model as text."""
-    try:
-        return json.dumps({"result": tools.call(name, arguments)})
-    except (KeyError, TypeError, ValueError) as exc:
-        return json.dumps({"error": f"{type(exc).__name__}: {exc}"})
-
-
 @trace_plugin.capture(agent=AGENT)
-def build_function_agent(run: Run = run_locally, *, base_url: str, model: str, max_tokens: int = 96) -> Any:
+def build_function_agent(run: Run = tools.answer, *, base_url: str, model: str, max_tokens: int = 96) -> Any:
     # A small model goes on to invent the function's answer after its call: stop it there.
     llm = ChatOpenAI(
         base_url=base_url,

@@ -115,10 +115,7 @@ class FunctionsEnv:
         offered = {t["function"]["name"] for t in self.task.tools or ()} if self.task else set()
         if call.name not in offered:
             return json.dumps({"error": f"unknown function {call.name!r}"})
-        try:
-            return json.dumps({"result": tools.call(call.name, call.arguments)})
-        except (KeyError, TypeError, ValueError) as exc:
-            return json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+        return tools.answer(call.name, call.arguments)
 
     @property
     def done(self) -> bool:

@@ -8,6 +8,7 @@ argument is an ``<noun>_id`` and nothing is stored between calls.
 from __future__ import annotations
 
 import datetime
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -135,7 +136,15 @@ FUNCTIONS: dict[str, tuple[dict[str, Any], Callable[..., Any]]] = {
 
 
 def call(name: str, arguments: dict[str, Any]) -> Any:
-    """Run one function; a wrong name or arguments raise (the agent reports it as an error)."""
+    """Run one function; a wrong name or arguments raise."""
     if name not in FUNCTIONS:
         raise KeyError(f"no function {name!r}")
     return FUNCTIONS[name][1](**arguments)
+
+
+def answer(name: str, arguments: dict[str, Any]) -> str:
+    """What the model reads back: the function's result, or its error, as JSON text."""
+    try:
+        return json.dumps({"result": call(name, arguments)})
+    except (KeyError, TypeError, ValueError) as exc:
+        return json.dumps({"error": f"{type(exc).__name__}: {exc}"})
