@@ -13,6 +13,10 @@ Side by side in one run, on the embedded SmolLM2-135M (CPU):
 - failed requests while a new version is hot-swapped under 8 concurrent clients;
 - agent prompts (the retail policy, tool schemas and a ticket, four at once) with the
   embedded backend's prefix cache holding their shared opening, against no cache;
+- requests that offer their own tools (the function agent's questions, 1 to 4 functions
+  each, eight at once): seconds per batch with no prefix cache, with the cache (rows part
+  inside the system turn, each reusing the lines it shares), and with every request
+  offering all of the agent's functions instead, alternating, on fresh questions each time;
 - the same prompts through one expert, run with that adapter active (as the backend runs a
   batch with one adapter) against PEFT's mixed-batch split, and against the base model;
 - tokens/s through the gateway in bf16 (the default where the CPU runs it natively)
@@ -49,6 +53,9 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the examples/ package
+from function_agent.suite import TEST_SEEDS as FUNCTION_SEEDS
+from function_agent.suite import FunctionsEnv
+
 from examples.support_agent.agent import few_shot_messages  # noqa: E402
 from trace_plugin import Recorder
 from trace_plugin.chat_template import REPLY_FORBIDDEN
@@ -330,6 +337,44 @@ def prefix_cache_speedup(backend: EmbeddedBackend, rounds: int, max_tokens: int)
     return times[False] / rounds, times[True] / rounds
 
 
+def per_request_tools(backend: EmbeddedBackend, rounds: int, max_tokens: int) -> dict[str, float]:
+    """Seconds per batch of eight function-agent questions, alternating: each offering its
+    own functions with no prefix cache and with it, and each offering all of them (one
+    fixed list, as most agents send) with it; new questions every round. Also the share of
+    prompt tokens the cache supplied to the per-request batches."""
+    env, params = FunctionsEnv(), SamplingParams(max_tokens=max_tokens)
+
+    def prompts(seeds: range, own: bool) -> list[str]:
+        rendered = []
+        for seed in seeds:
+            task = env.reset(seed)
+            messages = [
+                {"role": "system", "content": env.system_prompt},
+                {"role": "user", "content": task.prompt},
+            ]
+            rendered.append(backend.render(messages, task.tools if own else FunctionsEnv.tools))
+        return rendered
+
+    cache, times = backend.prefix_cache, {"uncached": 0.0, "own": 0.0, "all": 0.0}
+    backend.generate_rows(prompts(FUNCTION_SEEDS[-8:], True), [None] * 8, params)  # earlier traffic
+    backend.generate_rows(prompts(FUNCTION_SEEDS[-8:], False), [None] * 8, params)
+    reused = total = 0
+    for i in range(rounds):
+        seeds = FUNCTION_SEEDS[8 * i : 8 * i + 8]
+        for how in times:
+            backend.prefix_cache = None if how == "uncached" else cache
+            batch = prompts(seeds, how != "all")
+            before = cache.stats.tokens_reused
+            start = time.perf_counter()
+            backend.generate_rows(batch, [None] * 8, params)
+            times[how] += time.perf_counter() - start
+            if how == "own":
+                reused += cache.stats.tokens_reused - before
+                total += sum(len(ids) for ids in backend.tokenizer(batch, add_special_tokens=False).input_ids)
+    backend.prefix_cache = cache
+    return {**{how: t / rounds for how, t in times.items()}, "reused_frac": reused / total}
+
+
 def adapter_batch_seconds(
     backend: EmbeddedBackend, adapter: Path, rounds: int, max_tokens: int
 ) -> dict[str, float]:
@@ -374,6 +419,7 @@ def main() -> None:
 
     backend = EmbeddedBackend()
     uncached_s, cached_s = prefix_cache_speedup(backend, rounds + 1, max_tokens)
+    tools_s = per_request_tools(backend, rounds + 1, max_tokens)
     native = backend.dtype == torch.bfloat16
     precision = precision_tokens_per_s(backend, rounds, max_tokens) if native else None
     with tempfile.TemporaryDirectory() as tmp:
@@ -421,6 +467,12 @@ def main() -> None:
     table.add_row("4 agent prompts, no prefix cache", f"{uncached_s:.2f} s", "")
     table.add_row("4 agent prompts, cached opening", f"{cached_s:.2f} s", "")
     table.add_row("prefix cache speedup", f"{uncached_s / cached_s:.2f}×", "")
+    table.add_row("8 requests, own tools each, no prefix cache", f"{tools_s['uncached']:.2f} s", "")
+    table.add_row("8 requests, own tools each, prefix cache", f"{tools_s['own']:.2f} s", "")
+    table.add_row("  prompt tokens from the cache", f"{tools_s['reused_frac']:.2f}", "")
+    table.add_row("8 requests, all the agent's tools each, prefix cache", f"{tools_s['all']:.2f} s", "")
+    table.add_row("own tools: cache speedup", f"{tools_s['uncached'] / tools_s['own']:.2f}×", "")
+    table.add_row("own tools ÷ all tools, cached", f"{tools_s['own'] / tools_s['all']:.2f}", "")
     table.add_row("4 agent prompts, base model", f"{batch_s['base']:.2f} s", "")
     table.add_row("4 agent prompts, one expert (adapter active)", f"{batch_s['expert']:.2f} s", "")
     table.add_row(
@@ -459,6 +511,9 @@ def main() -> None:
                 "mixture_cost_ratio": round(mixture_ratio, 3),
                 "failed_requests_during_swap": failed,
                 "prefix_cache_speedup": round(uncached_s / cached_s, 3),
+                "per_request_tools_cache_speedup": round(tools_s["uncached"] / tools_s["own"], 3),
+                "per_request_tools_reused_frac": round(tools_s["reused_frac"], 3),
+                "per_request_tools_cost_ratio": round(tools_s["own"] / tools_s["all"], 3),
                 "expert_batch_cost_ratio": round(batch_s["expert"] / batch_s["base"], 3),
                 "single_adapter_speedup": round(batch_s["mixed_split"] / batch_s["expert"], 3),
                 "stop_list_stall_ratio": round(stops_s / no_stops_s, 3),

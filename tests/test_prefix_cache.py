@@ -27,10 +27,25 @@ def test_a_prefix_ends_before_a_turn_inside_the_shared_part():
     assert boundary_cut(a, len(a), TURN) == 3  # a prompt never caches all of itself
 
 
+def test_a_prefix_may_also_end_after_a_line():
+    line = 2  # the line-end token in this test
+    a = (5, 6, 2, 7, 2, 8, 1, 9)
+    assert boundary_cut(a, 5, TURN, frozenset({line})) == 5  # just after the second line end
+    assert boundary_cut(a, 4, TURN, frozenset({line})) == 3
+    assert boundary_cut(a, 4, TURN) == 0  # without line ends, only a turn start cuts
+
+
 def test_a_continuation_batch_keeps_the_cached_prefix_in_place_and_pads_after_it():
-    ids, mask = continuation_batch([(7, 8, 1, 2), (7, 8, 3), (7, 8, 4, 5, 6)], 2, pad=0)
+    ids, mask = continuation_batch([(7, 8, 1, 2), (7, 8, 3), (7, 8, 4, 5, 6)], [2, 2, 2], pad=0)
     assert ids == [[7, 8, 0, 1, 2], [7, 8, 0, 0, 3], [7, 8, 4, 5, 6]]
     assert mask == [[1, 1, 0, 1, 1], [1, 1, 0, 0, 1], [1, 1, 1, 1, 1]]
+
+
+def test_rows_may_skip_different_lengths_each_padded_to_the_longest_prefix():
+    ids, mask = continuation_batch([(7, 8, 9, 1), (7, 3, 4), (5, 6)], [3, 1, 0], pad=0)
+    # cached width 3, then the longest remainder (2 tokens): 5 columns
+    assert ids == [[7, 8, 9, 0, 1], [7, 0, 0, 3, 4], [0, 0, 0, 5, 6]]
+    assert mask == [[1, 1, 1, 0, 1], [1, 0, 0, 1, 1], [0, 0, 0, 1, 1]]
 
 
 def test_entries_are_per_adapter_longest_first_and_evicted_oldest_first():
@@ -97,3 +112,45 @@ def test_cached_prefixes_change_no_token(tmp_path):
     for adapter, rows in alone.items():
         single = backend.generate_rows([prompts[i] for i in rows], [adapter] * len(rows), params)
         assert [c.token_ids for c in single] == [reference[i].token_ids for i in rows]
+
+
+@pytest.mark.slow
+def test_requests_offering_their_own_tools_reuse_what_they_share_and_change_no_token():
+    """Per-request tools render inside the system turn: rows part at different tool lines,
+    each skips what it shares, a row sharing nothing skips nothing, and no token changes."""
+    backend = EmbeddedBackend(precision="float32")
+    env = RetailEnv()
+    task = env.reset(TEST_SEEDS[0])
+    by_name = {t["function"]["name"]: t for t in env.tools}
+    names = sorted(by_name)
+
+    def prompt(tools: list[str], system: str = env.system_prompt) -> str:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": task.prompt}]
+        return backend.render(messages, [by_name[n] for n in tools])
+
+    warm = [  # earlier traffic: entries end after one tool line, after two, and after a whole opening
+        prompt(names[:2] + names[4:5]),
+        prompt(names[:2] + names[5:6]),
+        prompt(names[:1] + names[6:7]),
+        prompt(names[:3]),
+        prompt(names[:3]),
+    ]
+    batch = [
+        prompt(names[:2] + names[7:8]),  # reuses two tool lines
+        prompt(names[:1] + names[3:4]),  # one
+        prompt(names[:3]),  # its whole opening
+        prompt(names[:2], system="Answer briefly."),  # nothing: another policy
+    ]
+    params = SamplingParams(max_tokens=16, bad_words=REPLY_FORBIDDEN)
+    cache, backend.prefix_cache = backend.prefix_cache, None
+    reference = backend.generate_rows(batch, [None] * 4, params)
+    backend.prefix_cache = cache
+    backend.generate_rows(warm, [None] * len(warm), params)
+    rows = [tuple(ids) for ids in backend.tokenizer(batch, add_special_tokens=False).input_ids]
+    reusable = [len(entry[0]) if (entry := cache.longest(None, ids)) else 0 for ids in rows]
+    assert reusable[3] == 0 and len(set(reusable[:3])) == 3 and min(reusable[:3]) > 64
+    hits, reused = cache.stats.hits, cache.stats.tokens_reused
+    assert [c.token_ids for c in backend.generate_rows(batch, [None] * 4, params)] == [
+        c.token_ids for c in reference
+    ]
+    assert cache.stats.hits == hits + 3 and cache.stats.tokens_reused >= reused + sum(reusable)

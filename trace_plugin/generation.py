@@ -12,8 +12,8 @@ every row continues from its keys and values:
   (:class:`~trace_plugin.gateway.prefix_cache.PrefixCache`) and joins its rows' entries
   with :func:`stacked_cache`;
 - :func:`generate_batch`: ``model.generate`` over the rows' remaining tokens, left-padded
-  after the cached prefix (:func:`continuation_batch`), into a preallocated cache
-  (:func:`preallocated`);
+  after their cached prefixes, which may differ in length (:func:`continuation_batch`),
+  into a preallocated cache (:func:`preallocated`);
 - :class:`TemperatureSampler`: plain temperature sampling for ``generate``, cheaper
   than its own.
 
@@ -48,16 +48,23 @@ def shared_prefix_length(rows: Sequence[Sequence[int]], min_tokens: int = 64) ->
 
 
 def continuation_batch(
-    rows: Sequence[Sequence[int]], skip: int, pad: int
+    rows: Sequence[Sequence[int]], skips: Sequence[int], pad: int
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """Input ids and attention mask for a batch run on ``skip`` cached prefix tokens.
+    """Input ids and attention mask for a batch run on cached prefixes, row i's first
+    ``skips[i]`` tokens.
 
-    Each row is its cached prefix, left padding, then the tokens still to run: the cache
-    holds every row's prefix at the same positions, and the mask keeps the padding out.
+    The cache holds every row's prefix from position 0, padded to the longest: each row is
+    its cached prefix, padding, then the tokens still to run, and the mask keeps the
+    padding out (positions count only unmasked tokens, so row i's next token sits at
+    ``skips[i]``).
     """
-    width = max(map(len, rows))
-    ids = [[*row[:skip], *[pad] * (width - len(row)), *row[skip:]] for row in rows]
-    mask = [[1] * skip + [0] * (width - len(row)) + [1] * (len(row) - skip) for row in rows]
+    cached = max(skips, default=0)
+    width = cached + max((len(row) - skip for row, skip in zip(rows, skips, strict=True)), default=0)
+    ids, mask = [], []
+    for row, skip in zip(rows, skips, strict=True):
+        gap = width - len(row)
+        ids.append([*row[:skip], *[pad] * gap, *row[skip:]])
+        mask.append([1] * skip + [0] * gap + [1] * (len(row) - skip))
     return ids, mask
 
 
@@ -101,15 +108,26 @@ def shared_prefix(model: Any, rows: Sequence[Sequence[int]], min_tokens: int = 6
     return skip, cache
 
 
-def stacked_cache(model: Any, entries: Sequence[Layers], skip: int) -> Any:
-    """One batch cache from each row's prefix entry (row i: ``entries[i]``), all cut to
-    their first ``skip`` tokens."""
+def stacked_cache(model: Any, entries: Sequence[Layers | None], skips: Sequence[int]) -> Any:
+    """One batch cache from each row's prefix entry (row i: ``entries[i]`` cut to its first
+    ``skips[i]`` tokens, or nothing), zero-padded to the longest; the padding is masked
+    (:func:`continuation_batch`)."""
     import torch
     from transformers import DynamicCache
 
+    cached = max(skips)
+    first = next(kv for kv in entries if kv is not None)
+
+    def row(kv: Layers | None, layer: int, part: int, skip: int) -> Any:
+        head = (first if kv is None else kv)[layer][part][:, :, :skip]  # a row with no entry skips 0
+        return torch.cat([head, head.new_zeros((*head.shape[:2], cached - skip, head.shape[3]))], dim=2)
+
     stacked = [
-        tuple(torch.cat([kv[layer][part][:, :, :skip] for kv in entries]) for part in (0, 1))
-        for layer in range(len(entries[0]))
+        tuple(
+            torch.cat([row(kv, layer, part, s) for kv, s in zip(entries, skips, strict=True)])
+            for part in (0, 1)
+        )
+        for layer in range(len(first))
     ]
     return DynamicCache(ddp_cache_data=stacked, config=model.config)
 
@@ -163,11 +181,12 @@ def generate_batch(
     rows: Sequence[Sequence[int]],
     pad: int,
     *,
-    skip: int = 0,
+    skip: int | Sequence[int] = 0,
     cache: Any = None,
     **generate_kwargs: Any,
 ) -> tuple[Any, int]:
-    """``model.generate`` over ``rows``, their first ``skip`` tokens already in ``cache``.
+    """``model.generate`` over ``rows``, their first ``skip`` tokens (one count for every
+    row, or one per row) already in ``cache``.
 
     Returns what ``generate`` returned and the width of the input: each row's new tokens
     start there. ``generate_kwargs`` are ``generate``'s (sampling, stopping, adapters), and
@@ -175,7 +194,8 @@ def generate_batch(
     """
     import torch
 
-    ids, mask = continuation_batch(rows, skip, pad)
+    skips = [skip] * len(rows) if isinstance(skip, int) else skip
+    ids, mask = continuation_batch(rows, skips, pad)
     new = generate_kwargs.get("max_new_tokens") or generate_kwargs["generation_config"].max_new_tokens
     generate_kwargs["cache"] = preallocated(model, cache, len(ids[0]) + new)
     out = model.generate(

@@ -32,7 +32,7 @@ from trace_plugin.gateway.backend import (
     SamplingParams,
     StreamEvent,
 )
-from trace_plugin.gateway.prefix_cache import PrefixCache
+from trace_plugin.gateway.prefix_cache import PrefixCache, line_end_tokens
 from trace_plugin.gateway.stops import StopMatcher
 from trace_plugin.generation import Ids, Layers, generate_batch, layers, prefill, stacked_cache, until_eos
 from trace_plugin.model_files import Precision, load_model, resolve_model
@@ -96,10 +96,14 @@ class EmbeddedBackend:
             self._eos_id = self.tokenizer.eos_token_id
         self._adapters: dict[str, Path] = {}
         # vLLM-style automatic prefix caching: this many prefixes' keys and values (0: off).
-        # Prefixes end at a turn of the shared ChatML template.
+        # Prefixes end at a turn of the shared ChatML template, or at the end of a line.
         turn = self.tokenizer.convert_tokens_to_ids("<|im_start|>")
         usable = prefix_cache and isinstance(turn, int) and turn != self.tokenizer.unk_token_id
-        self.prefix_cache = PrefixCache(turn, capacity=prefix_cache) if usable else None
+        self.prefix_cache = (
+            PrefixCache(turn, line_ends=line_end_tokens(self.tokenizer), capacity=prefix_cache)
+            if usable
+            else None
+        )
         self.cancelled_rows = 0  # rows stopped mid-generation because their client left
         self._torch = threading.Lock()
         self._workers: weakref.WeakKeyDictionary[
@@ -249,13 +253,13 @@ class EmbeddedBackend:
         else:  # greedy: silence sampling defaults from generation_config
             kwargs.update(temperature=None, top_p=None, top_k=None)
         with self._torch, torch.inference_mode():
-            skip, cache = self._cached_prefix(rows, adapters)
+            skips, cache = self._cached_prefix(rows, adapters)
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             routing, route = self._route(adapters)
             with routing:
                 out, width = generate_batch(
-                    self.model, rows, kwargs["pad_token_id"], skip=skip, cache=cache, **kwargs, **route
+                    self.model, rows, kwargs["pad_token_id"], skip=skips, cache=cache, **kwargs, **route
                 )
         self.cancelled_rows += watch.cancelled
         return [
@@ -263,15 +267,18 @@ class EmbeddedBackend:
             for row, (sequence, ids) in enumerate(zip(out.sequences, rows, strict=True))
         ]
 
-    def _cached_prefix(self, rows: list[Ids], adapters: list[str | None]) -> tuple[int, Any]:
-        """The prefix length every row can skip, and its keys and values as one batch cache.
+    def _cached_prefix(self, rows: list[Ids], adapters: list[str | None]) -> tuple[list[int], Any]:
+        """How many leading tokens each row skips, and their keys and values as one batch
+        cache (no cache when the prefix cache is off).
 
         Each row takes its longest cached prefix, first extending or building the entry when
-        the row shares a longer one with its batch or a recent prompt. The batch skips the
-        shortest of the rows' prefixes (0, and no cache, when a row has none).
+        the row shares a longer one with its batch or a recent prompt. Rows reuse different
+        lengths (requests offering their own tools part inside the system turn), and a batch
+        pads every row to its longest remainder and computes the padding too: so each row
+        first runs alone what it has beyond the shortest remainder.
         """
         if self.prefix_cache is None:
-            return 0, None
+            return [0] * len(rows), None
         found = []
         for i, (ids, adapter) in enumerate(zip(rows, adapters, strict=True)):
             entry = self.prefix_cache.longest(adapter, ids)
@@ -282,14 +289,20 @@ class EmbeddedBackend:
             found.append(entry)
         for ids in rows:
             self.prefix_cache.seen(ids)
+        reused = [len(entry[0]) if entry else 0 for entry in found]
         stats = self.prefix_cache.stats
         stats.lookups += len(rows)
-        if any(entry is None for entry in found):
-            return 0, None
-        skip = min(len(prefix) for prefix, _ in found)
-        stats.hits += len(rows)
-        stats.tokens_reused += skip * len(rows)
-        return skip, stacked_cache(self.model, [kv for _, kv in found], skip)
+        stats.hits += sum(1 for n in reused if n)
+        stats.tokens_reused += sum(reused)
+        # Every row runs on its own what it has beyond the batch's shortest remainder, so the
+        # batch runs as many tokens in every row and computes no padding.
+        rest = min(len(ids) - n for ids, n in zip(rows, reused, strict=True))
+        skips = [len(ids) - rest for ids in rows]
+        kvs = [
+            self._prefill(ids[:skip], adapter, entry) if skip > n else (entry[1] if entry else None)
+            for ids, adapter, entry, n, skip in zip(rows, adapters, found, reused, skips, strict=True)
+        ]
+        return skips, stacked_cache(self.model, kvs, skips) if any(skips) else None
 
     def _prefill(self, prefix: Ids, adapter: str | None, base: tuple[Ids, Any] | None) -> Layers:
         """The keys and values of ``prefix`` under ``adapter``, continuing from ``base``'s."""

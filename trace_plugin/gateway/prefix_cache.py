@@ -7,9 +7,12 @@ costs more than the reply (2.3 s for 1,400 tokens of SmolLM2-135M here, against 
 50 generated tokens), so the backend keeps the keys and values of recently seen prefixes
 and runs only each prompt's new tokens.
 
-A prefix is cut at a message boundary (just before an ``<|im_start|>``) inside the longest
-prefix a prompt shares with a recent one, so one entry serves every ticket of an agent and
-another each conversation's earlier turns. Entries are per adapter: a LoRA on the
+A prefix is cut at a message boundary (just before an ``<|im_start|>``) or at the end of a
+line inside the longest prefix a prompt shares with a recent one, so one entry serves
+every ticket of an agent and another each conversation's earlier turns. Line ends matter
+for agents whose tools differ per request: the template lists every tool, one per line,
+inside the system turn, so two such requests part there, and a line cut still reuses
+the policy and every tool line they share. Entries are per adapter: a LoRA on the
 attention projections changes the keys and values. Only the choice of prefixes is here
 (pure functions of token ids); the tensors stay opaque to this module, and running a
 batch on them is :mod:`trace_plugin.generation`'s.
@@ -25,10 +28,13 @@ from typing import Any
 from trace_plugin.generation import Ids, common_length
 
 
-def boundary_cut(ids: Sequence[int], length: int, boundary: int) -> int:
-    """The longest prefix of ``ids[:length]`` that ends just before a ``boundary`` token, or 0."""
+def boundary_cut(
+    ids: Sequence[int], length: int, boundary: int, line_ends: frozenset[int] = frozenset()
+) -> int:
+    """The longest prefix of ``ids[:length]`` that ends just before a ``boundary`` token or
+    just after one of ``line_ends``, or 0."""
     for i in range(min(length, len(ids) - 1), 0, -1):
-        if ids[i] == boundary:
+        if ids[i] == boundary or ids[i - 1] in line_ends:
             return i
     return 0
 
@@ -44,8 +50,17 @@ class CacheStats:
 class PrefixCache:
     """Up to ``capacity`` prefixes' keys and values, least recently used evicted first."""
 
-    def __init__(self, boundary: int, *, capacity: int = 8, min_tokens: int = 256, recent: int = 16) -> None:
-        self.boundary = boundary  # the token a prefix must end before (the chat template's turn start)
+    def __init__(
+        self,
+        boundary: int,
+        *,
+        line_ends: frozenset[int] = frozenset(),
+        capacity: int = 8,
+        min_tokens: int = 64,
+        recent: int = 16,
+    ) -> None:
+        self.boundary = boundary  # a prefix may end before it (the chat template's turn start)
+        self.line_ends = line_ends  # or after one of these (tokens whose text ends a line)
         self.capacity = capacity
         self.min_tokens = min_tokens  # shorter shared prefixes are not worth an entry
         self._entries: OrderedDict[tuple[str | None, Ids], Any] = OrderedDict()
@@ -67,7 +82,7 @@ class PrefixCache:
         """The length of the prefix worth caching for ``ids``: its longest boundary-cut prefix
         shared with ``others`` (the rest of its batch) or a recent prompt; 0 if under ``min_tokens``."""
         shared = max((common_length(ids, other) for other in [*others, *self._recent]), default=0)
-        cut = boundary_cut(ids, shared, self.boundary)
+        cut = boundary_cut(ids, shared, self.boundary, self.line_ends)
         return cut if cut >= self.min_tokens else 0
 
     def put(self, adapter: str | None, prefix: Ids, kv: Any) -> None:
@@ -89,3 +104,9 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def line_end_tokens(tokenizer: Any) -> frozenset[int]:
+    """The ids of the tokens whose text ends a line (a dozen in SmolLM2's vocabulary)."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return frozenset(i for i, text in enumerate(texts) if text.endswith("\n"))
