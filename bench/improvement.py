@@ -18,6 +18,10 @@ train-split traffic from the agent as it then is:
 5. the oracle: per test task, the best of the base, every expert and the mixture the
    improver's router chose.
 
+Success against rollouts used is a curve for both: TRACE's deployed agent after each cycle,
+and GRPO on the target after a third, two thirds and all of its budget (snapshots of its
+one run), plotted.
+
 All rows use the same test tasks, greedy decoding and the improver's training settings.
 Each model is played once on the test tasks and every row comes from those per-task
 results. Success rates come with 95% bootstrap intervals over tasks, and the default TRACE
@@ -45,6 +49,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
+from statistics import mean
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -72,6 +77,7 @@ from trace_plugin.records.deployment import Deployment  # noqa: E402
 from trace_plugin.records.env_spec import EnvSpec  # noqa: E402
 from trace_plugin.records.mixture import Mixture  # noqa: E402
 from trace_plugin.records.outcome import reward_succeeds  # noqa: E402
+from training.config import ExpertTrainingConfig  # noqa: E402
 from training.lora import is_noop  # noqa: E402
 
 # Quick is the demo's (one cycle). The default plays 48 test tasks (six per kind) over two
@@ -225,12 +231,16 @@ def main() -> None:
         def adapter_dir(name: str) -> Path:
             return stack.adapter_root / name / "1"
 
-        def train(name: str, factory: Any, seeds: list[int], hint: Any = None, **settings: Any) -> str:
+        def train(
+            name: str, factory: Any, seeds: list[int], hint: Any = None, curve: bool = False, **settings: Any
+        ) -> str:
             from training.experts import ExpertTrainer
 
             out_dir = adapter_dir(name)
             if not out_dir.is_dir():  # else published by an earlier run (a killed one resumes its checkpoint)
                 config = improver.training_config(output_dir=str(out_dir), rollout_budget=budget, **settings)
+                if curve:
+                    config = replace(config, snapshots=curve_rollouts(config))
                 console.rule(f"training {name}: {budget} rollouts")
                 ExpertTrainer(config, factory, seeds, hint=hint, examples=improver.examples()).train()
             asyncio.run(admin.ensure_adapter(f"{name}@1", str(out_dir)))
@@ -241,9 +251,27 @@ def main() -> None:
             "grpo_target",
             RetailEnv,
             list(TRAIN_SEEDS),
+            curve=True,
             max_turns=RETAIL_TURNS,
             max_completion_length=RETAIL_TOKENS,
         )
+
+        def grpo_snapshots() -> list[tuple[int, list[float]]]:
+            """Per-task results of GRPO's adapter at each rollout count its run kept."""
+            from training.experts import ExpertResult
+
+            result, points = ExpertResult.load(adapter_dir("grpo_target")), []
+            for rollouts in result.snapshots:
+                name, path = f"grpo_target-{rollouts}", result.snapshot(rollouts)
+
+                def load(name: str = name, path: Path = path) -> str:
+                    asyncio.run(admin.ensure_adapter(f"{name}@1", str(path)))
+                    return f"{name}@1"
+
+                # No gradient yet: the base model.
+                points.append((rollouts, base if is_noop(path) else evaluated(name, load)))
+            return points
+
         static = last is not None and last.router["kind"] == "static"
         by_expert = {
             # A lone expert's static router already played the test tasks as that expert.
@@ -290,6 +318,7 @@ def main() -> None:
         options = choices(stack, routers.get("mixture"), experts, by_expert, base, trace, test)
         rows["oracle"] = [max(scores.values()) for scores in options]
         accuracy = {name: router_accuracy(stack, router, options, test) for name, router in routers.items()}
+        grpo_points = grpo_snapshots()
     finally:
         stack.stop()
 
@@ -332,9 +361,21 @@ def main() -> None:
     console.print(f"calibration samples (TRACE's, outside the rollout budget): {calibration_samples}")
     console.print(f"experts: {experts or 'none trained'}; router accuracy against the oracle: {accuracy}")
     console.print(f"{time.monotonic() - started:.0f} s in this run; results kept in {out}")
-    # TRACE after each cycle: the live agent then, at the rollouts its experts had used so far.
-    curve = [(0, figures["base"])] + [(c["rollouts"], sum(c["live"]) / len(c["live"])) for c in cycles]
-    plot(figures, rollouts, curve, out / "improvement.png")
+    # TRACE after each cycle: the live agent then, at the rollouts its experts had used so far;
+    # GRPO at its run's snapshots, then at its whole budget.
+    curves = {
+        "trace": [(0, figures["base"])] + [(c["rollouts"], mean(c["live"])) for c in cycles],
+        "grpo": [(0, figures["base"])]
+        + [(n, mean(v)) for n, v in grpo_points]
+        + [(budget, figures["grpo_target"])],
+    }
+    table = Table(title="Success against rollouts used")
+    for column in ("method", "rollouts → success"):
+        table.add_column(column)
+    for method, points in curves.items():
+        table.add_row(method, ", ".join(f"{n} → {s:.2f}" for n, s in points))
+    console.print(table)
+    plot(figures, rollouts, curves, out / "improvement.png")
     console.print(f"plot: {out / 'improvement.png'}")
     print(
         json.dumps(
@@ -354,9 +395,20 @@ def main() -> None:
                 "gain_vs_base_ci_high": round(gains["base"][1], 4),
                 "gain_vs_grpo_ci_low": round(gains["grpo_target"][0], 4),
                 "gain_vs_grpo_ci_high": round(gains["grpo_target"][1], 4),
+                **{
+                    f"curve_{method}": [[n, round(s, 4)] for n, s in points]
+                    for method, points in curves.items()
+                },
             }
         )
     )
+
+
+def curve_rollouts(config: ExpertTrainingConfig) -> tuple[int, ...]:
+    """Where GRPO's run keeps its adapter for the curve: after a third and two thirds of its
+    steps (whole steps, short of the last)."""
+    per_step = config.num_generations * config.groups_per_step
+    return tuple(sorted(s * per_step for s in {config.steps * k // 3 for k in (1, 2)} - {0, config.steps}))
 
 
 def _deployment(store: Any, cycle: str) -> Deployment | None:
@@ -419,9 +471,10 @@ def opening(seed: int) -> list[dict[str, Any]]:
 
 
 def plot(
-    figures: dict[str, Any], rollouts: dict[str, int], curve: list[tuple[int, float]], path: Path
+    figures: dict[str, Any], rollouts: dict[str, int], curves: dict[str, list[tuple[int, float]]], path: Path
 ) -> None:
-    """Success against rollouts used: every method's point, and the deployed agent after each cycle."""
+    """Success against rollouts used: every method's point, the deployed agent after each
+    cycle, and GRPO on the target along its run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -429,7 +482,18 @@ def plot(
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.axhline(figures["base"], color="grey", linestyle="--", label="base (0 rollouts)")
-    ax.plot(*zip(*curve, strict=True), color="tab:red", marker="o", label="TRACE deployed, cycle by cycle")
+    ax.plot(
+        *zip(*curves["trace"], strict=True),
+        color="tab:red",
+        marker="o",
+        label="TRACE deployed, cycle by cycle",
+    )
+    ax.plot(
+        *zip(*curves["grpo"], strict=True),
+        color="tab:blue",
+        marker="s",
+        label="GRPO on the target, along its run",
+    )
     for name in ("grpo_target", "single_union", "trace_classifier", "trace_mixture", "trace_gate", "oracle"):
         if figures.get(name) is not None:
             ax.scatter([rollouts[name]], [figures[name]], label=name, s=60)

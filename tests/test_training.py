@@ -283,6 +283,8 @@ def test_presets_build_the_right_grpo_configs(tmp_path):
         ExpertTrainingConfig(num_generations=1)
     with pytest.raises(ValueError, match="precision"):
         ExpertTrainingConfig(precision="float16")
+    with pytest.raises(ValueError, match="snapshot at 3 rollouts"):
+        ExpertTrainingConfig(rollout_budget=8, num_generations=2, snapshots=(3,))
 
 
 # -- real GRPO runs of SmolLM2 (tiny: 2 rollouts a step, a few tokens a turn) ---------------------------
@@ -315,7 +317,7 @@ class InterruptAfterCheckpoint(TrainerCallback):
 def retail_expert(tmp_path_factory):
     """A run interrupted after its first checkpoint, then re-run to completion."""
     final = tmp_path_factory.mktemp("experts") / "retail-expert"
-    config = ExpertTrainingConfig(output_dir=str(final), **TINY)
+    config = ExpertTrainingConfig(output_dir=str(final), snapshots=(2,), **TINY)  # kept after step 1
     with pytest.raises(Interrupted):
         ExpertTrainer(config, RetailEnv, RETAIL_SEEDS, callbacks=[InterruptAfterCheckpoint(1)]).train()
     after_crash = {
@@ -347,6 +349,11 @@ def test_tiny_run_produces_a_loadable_adapter_with_its_hash(retail_expert):
     assert model.peft_config["default"].r == config.lora_rank
     assert any("q_proj.lora_A" in name for name, _ in model.named_parameters())
     assert not list(result.adapter_dir.parent.glob(".*partial"))  # the work dir is gone
+    # The snapshot after step 1, taken before the crash, survived the resumed run.
+    assert result.snapshots == [2] and (result.snapshot(2) / ADAPTER_WEIGHTS).is_file()
+    assert PeftModel.from_pretrained(load_model(result.base_model)[0], str(result.snapshot(2))).peft_config
+    with pytest.raises(KeyError):
+        result.snapshot(4)
 
 
 @pytest.mark.slow

@@ -38,6 +38,10 @@ class ExpertTrainingConfig:
     hint_fraction: float = 0.25  # share of rollouts generated with the hint (when a hint is given)
     resample_rounds: int = 1  # replays of zero-signal groups on fresh seeds, per step
     checkpoint_every: int = 10  # steps between checkpoints a re-run resumes from
+    # Rollout counts (each a whole number of steps) at which the adapter is also kept, in
+    # ``snapshots/<rollouts>`` of the final directory: a success-against-rollouts curve
+    # from one run.
+    snapshots: tuple[int, ...] = ()
     seed: int = 0
     output_dir: str = "experts/expert"  # the final adapter directory
     backend: Literal["transformers", "vllm"] = "transformers"  # who generates the rollouts
@@ -62,6 +66,12 @@ class ExpertTrainingConfig:
                 f"rollout_budget {self.rollout_budget} is less than one step of "
                 f"{self.num_generations * self.groups_per_step} rollouts"
             )
+        per_step = self.num_generations * self.groups_per_step
+        for rollouts in self.snapshots:
+            if rollouts % per_step or not per_step <= rollouts <= self.steps * per_step:
+                raise ValueError(
+                    f"snapshot at {rollouts} rollouts is not a step of {per_step} within the budget"
+                )
         if not 0.0 <= self.hint_fraction <= 1.0:
             raise ValueError("hint_fraction must be in [0, 1]")
         if self.precision not in get_args(Precision):
@@ -103,6 +113,7 @@ class ExpertTrainingConfig:
         data = dataclasses.asdict(self)
         if isinstance(data["lora_target_modules"], tuple):
             data["lora_target_modules"] = list(data["lora_target_modules"])
+        data["snapshots"] = list(self.snapshots)  # as JSON stores it
         return data
 
     def lora_config(self) -> Any:

@@ -75,6 +75,7 @@ Hint = HintValue | Callable[[Task], HintValue | None]
 Generate = Callable[[list[list[int]]], list[list[int]]]
 
 RESULT_FILE = "expert.json"
+SNAPSHOTS = "snapshots"  # the adapter at earlier rollout counts, inside an expert's directory
 
 
 # -- episodes -------------------------------------------------------------------------------------
@@ -472,11 +473,18 @@ class ExpertResult:
     steps: int
     logs: list[dict[str, float]]  # TRL's step logs (reward, loss, dynamic-sampling counts, ...)
     resumed_from_step: int | None = None  # the checkpoint this run continued from
+    snapshots: list[int] = dataclasses.field(default_factory=list)  # rollout counts kept (``snapshot``)
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
         data["adapter_dir"], data["base_model"] = str(self.adapter_dir), str(self.base_model)
         return json.dumps(data, indent=2)
+
+    def snapshot(self, rollouts: int) -> Path:
+        """The adapter as it was after ``rollouts`` training rollouts (one of ``snapshots``)."""
+        if rollouts not in self.snapshots:
+            raise KeyError(f"no snapshot at {rollouts} rollouts; kept: {self.snapshots}")
+        return self.adapter_dir / SNAPSHOTS / str(rollouts)
 
     @classmethod
     def load(cls, adapter_dir: Path) -> ExpertResult:
@@ -597,6 +605,9 @@ class ExpertTrainer:
                 callbacks=self.callbacks,
             )
         trainer.remove_callback(PrinterCallback)  # raw log dicts; the progress bar prints a readable line
+        if config.snapshots:
+            per_step = config.num_generations * config.groups_per_step
+            trainer.add_callback(_Snapshots(self.work_dir / SNAPSHOTS, per_step, config.snapshots))
         return trainer
 
     def _publish(self, trainer: Any, checkpoint: Path | None) -> ExpertResult:
@@ -620,12 +631,30 @@ class ExpertTrainer:
             steps=trainer.state.global_step,
             logs=logs,
             resumed_from_step=int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint else None,
+            snapshots=list(self.config.snapshots),
         )
+        if self.config.snapshots:  # kept in the work dir, so a resumed run still has the earlier ones
+            (self.work_dir / SNAPSHOTS).rename(staging / SNAPSHOTS)
         (staging / RESULT_FILE).write_text(result.to_json())
         self.final_dir.parent.mkdir(parents=True, exist_ok=True)
         staging.rename(self.final_dir)
         shutil.rmtree(self.work_dir, ignore_errors=True)
         return result
+
+
+class _Snapshots(TrainerCallback):
+    """Saves the adapter after the steps that complete the configured rollout counts."""
+
+    def __init__(self, root: Path, per_step: int, rollouts: Sequence[int]) -> None:
+        self.root, self.per_step, self.rollouts = root, per_step, set(rollouts)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        done = state.global_step * self.per_step
+        if done in self.rollouts:
+            staging, final = self.root / f".{done}.partial", self.root / str(done)
+            model.save_pretrained(staging)
+            shutil.rmtree(final, ignore_errors=True)  # a resumed run redid this step
+            staging.rename(final)
 
 
 class _ProgressBar(TrainerCallback):
