@@ -407,8 +407,8 @@ def main() -> None:
 def curve_rollouts(config: ExpertTrainingConfig) -> tuple[int, ...]:
     """Where GRPO's run keeps its adapter for the curve: after a third and two thirds of its
     steps (whole steps, short of the last)."""
-    per_step = config.num_generations * config.groups_per_step
-    return tuple(sorted(s * per_step for s in {config.steps * k // 3 for k in (1, 2)} - {0, config.steps}))
+    steps = {config.steps * k // 3 for k in (1, 2)} - {0, config.steps}
+    return tuple(sorted(step * config.rollouts_per_step for step in steps))
 
 
 def _deployment(store: Any, cycle: str) -> Deployment | None:

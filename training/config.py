@@ -64,9 +64,9 @@ class ExpertTrainingConfig:
         if self.steps < 1:
             raise ValueError(
                 f"rollout_budget {self.rollout_budget} is less than one step of "
-                f"{self.num_generations * self.groups_per_step} rollouts"
+                f"{self.rollouts_per_step} rollouts"
             )
-        per_step = self.num_generations * self.groups_per_step
+        per_step = self.rollouts_per_step
         for rollouts in self.snapshots:
             if rollouts % per_step or not per_step <= rollouts <= self.steps * per_step:
                 raise ValueError(
@@ -106,8 +106,12 @@ class ExpertTrainingConfig:
         return cls(**{**presets[name], **overrides})
 
     @property
+    def rollouts_per_step(self) -> int:
+        return self.num_generations * self.groups_per_step
+
+    @property
     def steps(self) -> int:
-        return self.rollout_budget // (self.num_generations * self.groups_per_step)
+        return self.rollout_budget // self.rollouts_per_step
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -606,8 +606,9 @@ class ExpertTrainer:
             )
         trainer.remove_callback(PrinterCallback)  # raw log dicts; the progress bar prints a readable line
         if config.snapshots:
-            per_step = config.num_generations * config.groups_per_step
-            trainer.add_callback(_Snapshots(self.work_dir / SNAPSHOTS, per_step, config.snapshots))
+            trainer.add_callback(
+                _Snapshots(self.work_dir / SNAPSHOTS, config.rollouts_per_step, config.snapshots)
+            )
         return trainer
 
     def _publish(self, trainer: Any, checkpoint: Path | None) -> ExpertResult:
