@@ -81,7 +81,10 @@ def tickets(backend: EmbeddedBackend, n: int) -> list[str]:
 
 @pytest.mark.slow
 def test_cached_prefixes_change_no_token(tmp_path):
+    import torch
+
     backend = EmbeddedBackend(precision="float32")
+    pristine = {name: p.detach().clone() for name, p in backend.model.named_parameters()}
     # A mild adapter: random_adapter's default scale is chaotic enough that float noise of 1e-3
     # in the keys (a different matmul shape) flips a greedy token within a few steps.
     random_adapter(backend.model_dir, tmp_path / "expert", seed=3, scale=4.0)
@@ -106,12 +109,18 @@ def test_cached_prefixes_change_no_token(tmp_path):
     assert len({c.text for c in reference}) > 1  # the rows are not all the same reply
     base = backend.generate_rows(prompts[1:2], [None], params)[0]
     assert base.token_ids != reference[1].token_ids  # the adapter does change the reply
-    # Batches with one adapter, or none, skip PEFT's mixed-batch split: same tokens.
+    # Batches with one adapter, or none, skip PEFT's mixed-batch split (the adapter folded
+    # into the base weights, or every adapter off): same tokens.
     backend.prefix_cache = None
     alone = {a: [i for i, b in enumerate(adapters) if b == a] for a in (None, "expert")}
     for adapter, rows in alone.items():
         single = backend.generate_rows([prompts[i] for i in rows], [adapter] * len(rows), params)
         assert [c.token_ids for c in single] == [reference[i].token_ids for i in rows]
+    # The fold is undone by the next batch without it, and by unloading: no weight drifts.
+    assert backend.generate_rows(prompts[1:2], [None], params)[0].token_ids == base.token_ids
+    backend.generate_rows(prompts[1:2], ["expert"], params)
+    asyncio.run(backend.unload_adapter("expert"))
+    assert all(torch.equal(p, pristine[name]) for name, p in backend.model.named_parameters())
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, TrainerCallback
 from trace_plugin.chat_template import render
 from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall
 from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
-from trace_plugin.generation import TemperatureSampler, shared_prefix_length
+from trace_plugin.generation import TemperatureSampler, folded, shared_prefix_length
 from trace_plugin.model_files import prepare_tokenizer, resolve_model
 from training.experts import (
     ADAPTER_WEIGHTS,
@@ -31,7 +31,7 @@ from training.experts import (
     hf_generate,
     weights_sha256,
 )
-from training.lora import folded, is_noop, random_adapter
+from training.lora import is_noop, random_adapter
 
 
 class EchoEnv:

@@ -88,12 +88,20 @@ def torch_dtype(precision: Precision) -> Any:
 
 
 def load_model(model_dir: str | Path, *, precision: Precision = "float32") -> tuple[Any, Any]:
-    """The causal LM, its weights in ``precision``, and its tokenizer set up for our template."""
+    """The causal LM, its weights in ``precision``, and its tokenizer set up for our template.
+
+    Without a GPU, decode steps attend through
+    :func:`~trace_plugin.generation.decode_attention`, SDPA's CPU kernel being slow for them.
+    """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from trace_plugin.generation import register_decode_attention
+
     model_dir = resolve_model(model_dir)
+    attention = None if torch.cuda.is_available() else register_decode_attention()
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, local_files_only=True, dtype=torch_dtype(precision)
+        model_dir, local_files_only=True, dtype=torch_dtype(precision), attn_implementation=attention
     )
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)

@@ -59,12 +59,12 @@ from transformers import GenerationConfig, LogitsProcessorList, PrinterCallback,
 
 from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE, forbidden_token_ids, render
 from trace_plugin.environments.base import Environment, Task, ToolCall, offered_tools
-from trace_plugin.generation import TemperatureSampler, generate_batch, shared_prefix, until_eos
+from trace_plugin.generation import TemperatureSampler, folded, generate_batch, shared_prefix, until_eos
 from trace_plugin.model_files import load_model, resolve_model
 from trace_plugin.records.outcome import reward_succeeds
 from trace_plugin.tool_calls import parse_completion
 from training.config import ExpertTrainingConfig
-from training.lora import ADAPTER_WEIGHTS, folded
+from training.lora import ADAPTER_WEIGHTS
 
 # Text appended to the ticket, or worked example turns placed just before it (a small
 # model copies a demonstrated tool call far more readily than it follows an instruction).

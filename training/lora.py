@@ -1,11 +1,8 @@
-"""LoRA adapters: the shape every expert takes on disk (a PEFT adapter directory), and in memory."""
+"""LoRA adapters: the shape every expert takes on disk (a PEFT adapter directory)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's file name for an adapter's tensors
 
@@ -46,31 +43,3 @@ def is_noop(adapter_dir: Path) -> bool:
     if any("lora_A" not in name and "lora_B" not in name for name in weights):
         return False  # other trained tensors (modules_to_save, biases) change the model
     return all(not tensor.any() for name, tensor in weights.items() if "lora_B" in name)
-
-
-@contextmanager
-def folded(model: Any) -> Iterator[None]:
-    """Inside, ``model`` (a PEFT model) runs as one plain network: W + scale·BA in each adapted layer.
-
-    A rollout samples many tokens from a policy that does not change until the next
-    optimizer step, and PEFT's separate low-rank path costs a fifth of a CPU decode. Each
-    base weight is swapped for a merged copy (summed in float32, rounded once) and put back
-    untouched on the way out; PEFT's own unmerge would subtract in the base dtype and drift.
-    """
-    import torch
-    from peft.tuners.lora import Linear
-
-    saved = []
-    try:
-        with torch.no_grad():
-            for layer in model.modules():
-                if isinstance(layer, Linear) and not layer.merged:
-                    weight = layer.get_base_layer().weight
-                    delta = sum(layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A)
-                    saved.append((weight, weight.data))
-                    weight.data = (weight.data.float() + delta).to(weight.dtype)
-        with model.disable_adapter():
-            yield
-    finally:
-        for weight, data in saved:
-            weight.data = data

@@ -3,7 +3,8 @@
 Concurrent requests are collected for a few milliseconds and generated together: rows
 that share sampling settings go through one ``generate`` call, and PEFT's mixed-batch
 ``adapter_names`` routes each row through its own adapter (or ``__base__``); a batch with
-one adapter or none runs without that split. All torch work, generation and adapter
+one adapter runs on the base weights with that adapter folded in, one with none on the
+base weights alone. All torch work, generation and adapter
 (un)loading, runs on one worker thread in turn, so swapping an adapter never races a
 generation. Each request's results reach its event loop as events: a streamed request's
 new text at every step (:class:`RowWatch`), then each completion whole; a request whose
@@ -34,7 +35,16 @@ from trace_plugin.gateway.backend import (
 )
 from trace_plugin.gateway.prefix_cache import PrefixCache, line_end_tokens
 from trace_plugin.gateway.stops import StopMatcher
-from trace_plugin.generation import Ids, Layers, generate_batch, layers, prefill, stacked_cache, until_eos
+from trace_plugin.generation import (
+    Fold,
+    Ids,
+    Layers,
+    generate_batch,
+    layers,
+    prefill,
+    stacked_cache,
+    until_eos,
+)
 from trace_plugin.model_files import Precision, load_model, resolve_model
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -95,6 +105,7 @@ class EmbeddedBackend:
         if not isinstance(self._eos_id, int) or self._eos_id == self.tokenizer.unk_token_id:
             self._eos_id = self.tokenizer.eos_token_id
         self._adapters: dict[str, Path] = {}
+        self._folded: tuple[str, Fold] | None = None  # the adapter in the base weights now
         # vLLM-style automatic prefix caching: this many prefixes' keys and values (0: off).
         # Prefixes end at a turn of the shared ChatML template, or at the end of a line.
         turn = self.tokenizer.convert_tokens_to_ids("<|im_start|>")
@@ -316,20 +327,29 @@ class EmbeddedBackend:
 
         PEFT's mixed batch (``adapter_names``) splits every LoRA layer's input by adapter,
         which makes one expert's batch 1.21x slower than with that adapter active
-        (``bench/gateway.py``). So a batch with a single adapter (the common case: one
-        deployment, or an evaluation through one expert) or none at all runs plain, with
-        that adapter active or every adapter disabled.
+        (``bench/gateway.py``), and an active adapter's own low-rank path costs more again.
+        So a batch with a single adapter (the common case: one deployment, or an evaluation
+        through one expert) runs on the base weights with that adapter folded in, and stays
+        folded for the batches after it; a batch with none runs with every adapter disabled.
         """
         if not self._adapters:
             return contextlib.nullcontext(), {}
         names = set(adapters)
+        self._fold(next(iter(names)) if len(names) == 1 else None)
         if len(names) > 1:
             return contextlib.nullcontext(), {"adapter_names": [a or BASE for a in adapters]}
-        (name,) = names
-        if name is None:
-            return self.model.disable_adapter(), {}
-        self.model.set_adapter(name, inference_mode=True)  # stay frozen, as loaded
-        return contextlib.nullcontext(), {}
+        return self.model.disable_adapter(), {}  # the base weights, ``_folded``'s adapter in them
+
+    def _fold(self, name: str | None) -> None:
+        """Have ``name``'s adapter, and no other, folded into the base weights (None: none)."""
+        if self._folded is not None and self._folded[0] == name:
+            return
+        if self._folded is not None:
+            self._folded[1].restore()
+            self._folded = None
+        if name is not None:
+            self.model.set_adapter(name, inference_mode=True)  # stay frozen, as loaded
+            self._folded = (name, Fold(self.model))
 
     def _completion(
         self,
@@ -403,6 +423,7 @@ class EmbeddedBackend:
         with self._torch:
             if name not in self._adapters:
                 raise BackendError(f"adapter {name!r} is not loaded", status=404)
+            self._fold(None)
             if len(self._adapters) == 1:  # PEFT cannot delete its last adapter; unwrap instead
                 self.model = self.model.unload()
             else:

@@ -1,0 +1,54 @@
+"""Without a GPU, decode steps attend through our own two matmuls instead of SDPA's CPU
+kernel (:func:`trace_plugin.generation.decode_attention`): the same attention, in float32
+the same logits to float rounding and the same greedy tokens, padding and all."""
+
+from __future__ import annotations
+
+import pytest
+
+from trace_plugin.environments.retail import TEST_SEEDS, RetailEnv
+from trace_plugin.generation import DECODE_ATTENTION, generate_batch
+from trace_plugin.model_files import load_model, resolve_model
+
+pytestmark = pytest.mark.slow
+
+
+def test_decode_steps_attend_as_sdpa_does_across_a_left_padded_batch():
+    import torch
+
+    model, tokenizer = load_model(resolve_model(), precision="float32")
+    assert model.config._attn_implementation == DECODE_ATTENTION
+    env = RetailEnv()
+    prompts = [
+        tokenizer.apply_chat_template(
+            env.opening(s), tools=env.tools, tokenize=False, add_generation_prompt=True
+        )
+        for s in TEST_SEEDS[:3]
+    ]
+    prompts.append("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n")  # short: padded far left
+    rows = tokenizer(prompts, add_special_tokens=False).input_ids
+    assert max(map(len, rows)) - min(map(len, rows)) > 300
+
+    def greedy() -> tuple:
+        with torch.inference_mode():
+            out, width = generate_batch(
+                model,
+                rows,
+                tokenizer.pad_token_id,
+                max_new_tokens=16,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+        return out.sequences[:, width:], torch.stack(out.logits)
+
+    ours, our_logits = greedy()
+    model.set_attn_implementation("sdpa")
+    theirs, their_logits = greedy()
+    assert torch.equal(ours, theirs)
+    assert (
+        our_logits - their_logits
+    ).abs().max() < 1e-3  # measured: 3e-5; a wrong mask moves them by whole units
