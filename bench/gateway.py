@@ -17,8 +17,11 @@ Side by side in one run, on the embedded SmolLM2-135M (CPU):
   each, eight at once): seconds per batch with no prefix cache, with the cache (rows part
   inside the system turn, each reusing the lines it shares), and with every request
   offering all of the agent's functions instead, alternating, on fresh questions each time;
-- the same prompts through one expert, run with that adapter active (as the backend runs a
-  batch with one adapter) against PEFT's mixed-batch split, and against the base model;
+- the same prompts through one expert, folded into the base weights (as the backend runs a
+  batch with one adapter), against that adapter active, PEFT's mixed-batch split, and the
+  base model;
+- the support agent's prompts (cached opening) with decode steps attending through our two
+  matmuls (the default without a GPU) against SDPA's kernel, greedy tokens compared;
 - tokens/s through the gateway in bf16 (the default where the CPU runs it natively)
   against float32, on the support agent's tickets, four at once, alternating, with the
   greedy tokens compared;
@@ -67,7 +70,7 @@ from trace_plugin.gateway.embedded import EmbeddedBackend
 from trace_plugin.gateway.protocol import MAX_STOPS
 from trace_plugin.gateway.routing import KeywordRouter
 from trace_plugin.gateway.server import start_in_thread
-from trace_plugin.generation import common_length
+from trace_plugin.generation import DECODE_ATTENTION, common_length, folded
 from trace_plugin.improver.config import CORPUS_SEEDS
 from trace_plugin.improver.stages import retrieval_corpus
 from trace_plugin.records.router_spec import ClassifierSpec, ExpertEntry, Retrieval
@@ -315,6 +318,29 @@ def precision_tokens_per_s(bf16: EmbeddedBackend, rounds: int, max_tokens: int) 
     }
 
 
+def decode_attention_seconds(backend: EmbeddedBackend, rounds: int, max_tokens: int) -> dict[str, Any]:
+    """Seconds per batch of four agent prompts (cached opening, as served) with decode steps
+    attending through :func:`~trace_plugin.generation.decode_attention` against SDPA's
+    kernel, alternating, with the greedy tokens compared; before any adapter is loaded."""
+    prompts = agent_prompts(backend, 4)
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, bad_words=REPLY_FORBIDDEN)
+    backend.generate_rows(prompts, [None] * 4, params)  # caches the opening
+    times, tokens = {DECODE_ATTENTION: 0.0, "sdpa": 0.0}, {}
+    for _ in range(rounds):
+        for how in times:
+            backend.model.set_attn_implementation(how)
+            start = time.perf_counter()
+            tokens[how] = [c.token_ids for c in backend.generate_rows(prompts, [None] * 4, params)]
+            times[how] += time.perf_counter() - start
+    backend.model.set_attn_implementation(DECODE_ATTENTION)
+    return {
+        "ours": times[DECODE_ATTENTION] / rounds,
+        "sdpa": times["sdpa"] / rounds,
+        "agreed": sum(map(common_length, tokens["sdpa"], tokens[DECODE_ATTENTION])),
+        "total": sum(map(len, tokens["sdpa"])),
+    }
+
+
 def agent_prompts(backend: EmbeddedBackend, n: int) -> list[str]:
     """The support agent's opening prompts (policy, tool schemas, a ticket) for ``n`` test seeds."""
     return [backend.render(RetailEnv().opening(seed), TOOLS) for seed in list(TEST_SEEDS)[:n]]
@@ -379,7 +405,8 @@ def adapter_batch_seconds(
     backend: EmbeddedBackend, adapter: Path, rounds: int, max_tokens: int
 ) -> dict[str, float]:
     """Seconds per batch of four agent prompts (no prefix cache), alternating: the base model;
-    one expert for every row, run as the backend runs such a batch (that adapter active); and
+    one expert for every row, run as the backend runs such a batch (the adapter folded into
+    the base weights); the same with the adapter active (PEFT's separate low-rank path); and
     the same rows through PEFT's mixed-batch split (``adapter_names``), which the backend
     keeps for batches that really mix adapters."""
     asyncio.run(backend.load_adapter("probe", adapter))
@@ -389,19 +416,21 @@ def adapter_batch_seconds(
     )
     greedy = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
     greedy.update(temperature=None, top_p=None, top_k=None, pad_token_id=backend.tokenizer.pad_token_id)
-    times = {"base": 0.0, "expert": 0.0, "mixed_split": 0.0}
+    model = backend.model
+    model.set_adapter("probe", inference_mode=True)
+    runs = {
+        "base": lambda: model.disable_adapter(),
+        "folded": lambda: folded(model),
+        "active": contextlib.nullcontext,
+        "mixed_split": contextlib.nullcontext,
+    }
+    times = dict.fromkeys(runs, 0.0)
     for _ in range(rounds):
-        for how in times:
+        for how, context in runs.items():
+            split = {"adapter_names": ["probe"] * 4} if how == "mixed_split" else {}
             start = time.perf_counter()
-            with torch.inference_mode():
-                if how == "base":
-                    with backend.model.disable_adapter():
-                        backend.model.generate(**tokens, **greedy)
-                elif how == "expert":
-                    backend.model.set_adapter("probe", inference_mode=True)
-                    backend.model.generate(**tokens, **greedy)
-                else:
-                    backend.model.generate(**tokens, **greedy, adapter_names=["probe"] * 4)
+            with torch.inference_mode(), context():
+                model.generate(**tokens, **greedy, **split)
             times[how] += time.perf_counter() - start
     asyncio.run(backend.unload_adapter("probe"))
     return {how: t / rounds for how, t in times.items()}
@@ -420,6 +449,7 @@ def main() -> None:
     backend = EmbeddedBackend()
     uncached_s, cached_s = prefix_cache_speedup(backend, rounds + 1, max_tokens)
     tools_s = per_request_tools(backend, rounds + 1, max_tokens)
+    attention_s = decode_attention_seconds(backend, rounds + 1, max_tokens)
     native = backend.dtype == torch.bfloat16
     precision = precision_tokens_per_s(backend, rounds, max_tokens) if native else None
     with tempfile.TemporaryDirectory() as tmp:
@@ -474,12 +504,22 @@ def main() -> None:
     table.add_row("own tools: cache speedup", f"{tools_s['uncached'] / tools_s['own']:.2f}×", "")
     table.add_row("own tools ÷ all tools, cached", f"{tools_s['own'] / tools_s['all']:.2f}", "")
     table.add_row("4 agent prompts, base model", f"{batch_s['base']:.2f} s", "")
-    table.add_row("4 agent prompts, one expert (adapter active)", f"{batch_s['expert']:.2f} s", "")
+    table.add_row("4 agent prompts, one expert (folded, as served)", f"{batch_s['folded']:.2f} s", "")
+    table.add_row("4 agent prompts, one expert (adapter active)", f"{batch_s['active']:.2f} s", "")
     table.add_row(
         "4 agent prompts, one expert (PEFT mixed-batch split)", f"{batch_s['mixed_split']:.2f} s", ""
     )
+    table.add_row("folded expert speedup over active", f"{batch_s['active'] / batch_s['folded']:.2f}×", "")
     table.add_row(
-        "one-expert batch speedup over the split", f"{batch_s['mixed_split'] / batch_s['expert']:.2f}×", ""
+        "one-expert batch speedup over the split", f"{batch_s['mixed_split'] / batch_s['folded']:.2f}×", ""
+    )
+    table.add_row("4 agent prompts, cached, decode attention", f"{attention_s['ours']:.2f} s", "")
+    table.add_row("4 agent prompts, cached, SDPA's kernel", f"{attention_s['sdpa']:.2f} s", "")
+    table.add_row("decode attention speedup", f"{attention_s['sdpa'] / attention_s['ours']:.2f}×", "")
+    table.add_row(
+        "  greedy tokens agreeing before the first divergence",
+        f"{attention_s['agreed']} of {attention_s['total']}",
+        "",
     )
     table.add_row("max_tokens=1 request, no stop list", f"{no_stops_s:.3f} s", "")
     table.add_row(f"max_tokens=1 request, {MAX_STOPS} new stop strings", f"{stops_s:.3f} s", "")
@@ -514,8 +554,10 @@ def main() -> None:
                 "per_request_tools_cache_speedup": round(tools_s["uncached"] / tools_s["own"], 3),
                 "per_request_tools_reused_frac": round(tools_s["reused_frac"], 3),
                 "per_request_tools_cost_ratio": round(tools_s["own"] / tools_s["all"], 3),
-                "expert_batch_cost_ratio": round(batch_s["expert"] / batch_s["base"], 3),
-                "single_adapter_speedup": round(batch_s["mixed_split"] / batch_s["expert"], 3),
+                "expert_batch_cost_ratio": round(batch_s["folded"] / batch_s["base"], 3),
+                "single_adapter_speedup": round(batch_s["mixed_split"] / batch_s["folded"], 3),
+                "fold_speedup": round(batch_s["active"] / batch_s["folded"], 3),
+                "decode_attention_speedup": round(attention_s["sdpa"] / attention_s["ours"], 3),
                 "stop_list_stall_ratio": round(stops_s / no_stops_s, 3),
                 "ttft_s": round(ttft_s, 3),
                 "ttft_ratio": round(ttft_s / streamed_s, 3),
