@@ -282,9 +282,11 @@ class Fold:
         try:
             with torch.no_grad():
                 for layer in model.modules():
-                    if isinstance(layer, Linear) and not layer.merged:
+                    if not isinstance(layer, Linear) or layer.merged:
+                        continue
+                    active = [a for a in layer.active_adapters if a in layer.lora_A]
+                    if active:
                         weight = layer.get_base_layer().weight
-                        active = [a for a in layer.active_adapters if a in layer.lora_A]
                         delta = sum(layer.get_delta_weight(a) for a in active)
                         self._saved.append((weight, weight.data))
                         weight.data = (weight.data.float() + delta).to(weight.dtype)
