@@ -21,7 +21,7 @@ Side by side in one run, on the embedded SmolLM2-135M (CPU):
   batch with one adapter), against that adapter active, PEFT's mixed-batch split, and the
   base model;
 - the support agent's prompts (cached opening) with decode steps attending through our two
-  matmuls (the default without a GPU) against SDPA's kernel, greedy tokens compared;
+  matmuls (the default for bf16 without a GPU) against SDPA's kernel, greedy tokens compared;
 - tokens/s through the gateway in bf16 (the default where the CPU runs it natively)
   against float32, on the support agent's tickets, four at once, alternating, with the
   greedy tokens compared;
@@ -70,7 +70,7 @@ from trace_plugin.gateway.embedded import EmbeddedBackend
 from trace_plugin.gateway.protocol import MAX_STOPS
 from trace_plugin.gateway.routing import KeywordRouter
 from trace_plugin.gateway.server import start_in_thread
-from trace_plugin.generation import DECODE_ATTENTION, common_length, folded
+from trace_plugin.generation import DECODE_ATTENTION, common_length, folded, register_decode_attention
 from trace_plugin.improver.config import CORPUS_SEEDS
 from trace_plugin.improver.stages import retrieval_corpus
 from trace_plugin.records.router_spec import ClassifierSpec, ExpertEntry, Retrieval
@@ -325,14 +325,15 @@ def decode_attention_seconds(backend: EmbeddedBackend, rounds: int, max_tokens: 
     prompts = agent_prompts(backend, 4)
     params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, bad_words=REPLY_FORBIDDEN)
     backend.generate_rows(prompts, [None] * 4, params)  # caches the opening
-    times, tokens = {DECODE_ATTENTION: 0.0, "sdpa": 0.0}, {}
+    times, tokens = {register_decode_attention(): 0.0, "sdpa": 0.0}, {}
+    chosen = backend.model.config._attn_implementation  # load_model's choice for this precision
     for _ in range(rounds):
         for how in times:
             backend.model.set_attn_implementation(how)
             start = time.perf_counter()
             tokens[how] = [c.token_ids for c in backend.generate_rows(prompts, [None] * 4, params)]
             times[how] += time.perf_counter() - start
-    backend.model.set_attn_implementation(DECODE_ATTENTION)
+    backend.model.set_attn_implementation(chosen)
     return {
         "ours": times[DECODE_ATTENTION] / rounds,
         "sdpa": times["sdpa"] / rounds,

@@ -90,8 +90,10 @@ def torch_dtype(precision: Precision) -> Any:
 def load_model(model_dir: str | Path, *, precision: Precision = "float32") -> tuple[Any, Any]:
     """The causal LM, its weights in ``precision``, and its tokenizer set up for our template.
 
-    Without a GPU, decode steps attend through
-    :func:`~trace_plugin.generation.decode_attention`, SDPA's CPU kernel being slow for them.
+    Without a GPU, bf16 decode steps attend through
+    :func:`~trace_plugin.generation.decode_attention`: SDPA's CPU kernel is slow for them in
+    bf16, but not in float32, where it beat ours (``bench/gateway.py``,
+    ``decode_attention_speedup``).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -99,9 +101,13 @@ def load_model(model_dir: str | Path, *, precision: Precision = "float32") -> tu
     from trace_plugin.generation import register_decode_attention
 
     model_dir = resolve_model(model_dir)
-    attention = None if torch.cuda.is_available() else register_decode_attention()
+    dtype = torch_dtype(precision)
+    cpu_bf16 = dtype == torch.bfloat16 and not torch.cuda.is_available()
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, local_files_only=True, dtype=torch_dtype(precision), attn_implementation=attention
+        model_dir,
+        local_files_only=True,
+        dtype=dtype,
+        attn_implementation=register_decode_attention() if cpu_bf16 else None,
     )
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
