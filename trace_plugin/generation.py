@@ -225,11 +225,11 @@ def decode_attention(
 ) -> tuple[Any, None]:
     """transformers' attention interface: SDPA, except for a decode step (one query per row).
 
-    The CPU's flash-attention kernel is built for long queries; for one query token it took
-    60% of a decode step (torch profiler, bf16, batch 16, 1,500 cached positions). Two
-    batched matmuls do that step in two thirds of the time: grouped-query heads attend as
-    one ``(kv_heads, group)`` block against their shared keys, without copying the keys per
-    head, and the softmax runs in float32.
+    The CPU's flash-attention kernel is built for long queries; for one query token in bf16
+    it took 60% of a decode step (torch profiler, batch 16, 1,500 cached positions). Two
+    batched matmuls did that step in two thirds of the time (in float32 they do not win):
+    grouped-query heads attend as one ``(kv_heads, group)`` block against their shared keys,
+    without copying the keys per head, and the softmax runs in float32.
     """
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
