@@ -61,6 +61,7 @@ from function_agent.suite import FunctionsEnv
 
 from examples.support_agent.agent import few_shot_messages  # noqa: E402
 from trace_plugin import Recorder
+from trace_plugin.attention import DECODE_ATTENTION, register_decode_attention
 from trace_plugin.chat_template import REPLY_FORBIDDEN
 from trace_plugin.environments.retail import TEST_SEEDS, TOOLS, RetailEnv
 from trace_plugin.environments.synthesis import synthesize
@@ -70,7 +71,7 @@ from trace_plugin.gateway.embedded import EmbeddedBackend
 from trace_plugin.gateway.protocol import MAX_STOPS
 from trace_plugin.gateway.routing import KeywordRouter
 from trace_plugin.gateway.server import start_in_thread
-from trace_plugin.generation import DECODE_ATTENTION, common_length, folded, register_decode_attention
+from trace_plugin.generation import common_length, folded
 from trace_plugin.improver.config import CORPUS_SEEDS
 from trace_plugin.improver.stages import retrieval_corpus
 from trace_plugin.records.router_spec import ClassifierSpec, ExpertEntry, Retrieval
@@ -320,7 +321,7 @@ def precision_tokens_per_s(bf16: EmbeddedBackend, rounds: int, max_tokens: int) 
 
 def decode_attention_seconds(backend: EmbeddedBackend, rounds: int, max_tokens: int) -> dict[str, Any]:
     """Seconds per batch of four agent prompts (cached opening, as served) with decode steps
-    attending through :func:`~trace_plugin.generation.decode_attention` against SDPA's
+    attending through :func:`~trace_plugin.attention.decode_attention` against SDPA's
     kernel, alternating, with the greedy tokens compared; before any adapter is loaded."""
     prompts = agent_prompts(backend, 4)
     params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, bad_words=REPLY_FORBIDDEN)

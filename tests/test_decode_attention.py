@@ -1,13 +1,14 @@
 """In bf16 without a GPU, decode steps attend through our own two matmuls instead of SDPA's
-CPU kernel (:func:`trace_plugin.generation.decode_attention`): the same attention, in
+CPU kernel (:func:`trace_plugin.attention.decode_attention`): the same attention, in
 float32 the same logits to float rounding and the same greedy tokens, padding and all."""
 
 from __future__ import annotations
 
 import pytest
 
+from trace_plugin.attention import DECODE_ATTENTION, register_decode_attention
 from trace_plugin.environments.retail import TEST_SEEDS, RetailEnv
-from trace_plugin.generation import DECODE_ATTENTION, generate_batch, register_decode_attention
+from trace_plugin.generation import generate_batch
 from trace_plugin.model_files import load_model, resolve_model
 
 pytestmark = pytest.mark.slow

@@ -22,6 +22,7 @@ LAYERS: list[set[str]] = [  # lowest first
     {"trace_plugin.records"},  # what the store persists
     {"trace_plugin.chat_template", "trace_plugin.tool_calls"},  # the model's text formats
     {"trace_plugin.store"},
+    {"trace_plugin.attention"},  # registered with transformers by model_files
     {"trace_plugin.payload", "trace_plugin.model_files", "trace_plugin.generation"},
     {"trace_plugin.recorder"},
     {"trace_plugin.tracer"},

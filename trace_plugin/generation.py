@@ -16,8 +16,6 @@ every row continues from its keys and values:
   into a preallocated cache (:func:`preallocated`);
 - :class:`TemperatureSampler`: plain temperature sampling for ``generate``, cheaper
   than its own;
-- :func:`decode_attention`: attention for one new token per row, which a CPU runs faster
-  than through its flash kernel (:func:`~trace_plugin.model_files.load_model` picks it);
 - :class:`Fold`: a LoRA's low-rank product summed into its base weights while many tokens
   are decoded through one fixed adapter (a rollout, an evaluation through one expert).
 
@@ -34,8 +32,6 @@ from typing import Any
 Ids = tuple[int, ...]
 # A cache's keys and values, per layer: what a prefix's entry holds.
 Layers = list[tuple[Any, Any]]
-# The name under which transformers finds :func:`decode_attention` (``attn_implementation``).
-DECODE_ATTENTION = "trace_decode"
 
 
 def common_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -211,56 +207,6 @@ def generate_batch(
         **generate_kwargs,
     )
     return out, len(ids[0])
-
-
-def decode_attention(
-    module: Any,
-    query: Any,
-    key: Any,
-    value: Any,
-    attention_mask: Any,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[Any, None]:
-    """transformers' attention interface: SDPA, except for a decode step (one query per row).
-
-    The CPU's flash-attention kernel is built for long queries; for one query token in bf16
-    it took 60% of a decode step (torch profiler, batch 16, 1,500 cached positions). Two
-    batched matmuls did that step in two thirds of the time (in float32 they do not win):
-    grouped-query heads attend as one ``(kv_heads, group)`` block against their shared keys,
-    without copying the keys per head, and the softmax runs in float32.
-    """
-    import torch
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    batch, heads, length, dim = query.shape
-    if length != 1 or (dropout and module.training):
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
-    kv_heads = key.shape[1]
-    grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
-    scale = dim**-0.5 if scaling is None else scaling
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale
-    if attention_mask is not None:  # (batch, 1, 1, positions): True, or 0.0, where a row may attend
-        mask = attention_mask[..., : key.shape[-2]]
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    out = torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
-    return out.reshape(batch, 1, heads, dim), None
-
-
-def register_decode_attention() -> str:
-    """Make :func:`decode_attention` available as ``attn_implementation``; returns its name.
-
-    Its mask is SDPA's (a boolean mask, or none where every position is visible).
-    """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
-    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
-    return DECODE_ATTENTION
 
 
 class Fold:

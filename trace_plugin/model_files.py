@@ -91,14 +91,14 @@ def load_model(model_dir: str | Path, *, precision: Precision = "float32") -> tu
     """The causal LM, its weights in ``precision``, and its tokenizer set up for our template.
 
     Without a GPU, bf16 decode steps attend through
-    :func:`~trace_plugin.generation.decode_attention`: SDPA's CPU kernel is slow for them in
+    :func:`~trace_plugin.attention.decode_attention`: SDPA's CPU kernel is slow for them in
     bf16, but not in float32, where it beat ours (``bench/gateway.py``,
     ``decode_attention_speedup``).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trace_plugin.generation import register_decode_attention
+    from trace_plugin.attention import register_decode_attention
 
     model_dir = resolve_model(model_dir)
     dtype = torch_dtype(precision)
