@@ -34,7 +34,7 @@ Every stage's result is kept under the run's folder (``--out``): run the same co
 after a kill and it picks up where it stopped (``--fresh`` starts over).
 
     python bench/improvement.py [--quick] [--tasks N] [--traffic N] [--cycles N] [--budget ROLLOUTS]
-                                [--out DIR] [--fresh]
+                                [--precision auto|float32|bfloat16] [--out DIR] [--fresh]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from statistics import mean
-from typing import Any
+from typing import Any, get_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -73,6 +73,7 @@ from trace_plugin.gateway.adapters import split_name  # noqa: E402
 from trace_plugin.gateway.admin import GatewayAdmin  # noqa: E402
 from trace_plugin.gateway.routing import router_from_spec  # noqa: E402
 from trace_plugin.improver import TRAINING_SEEDS, router_spec  # noqa: E402
+from trace_plugin.model_files import Precision, torch_dtype  # noqa: E402
 from trace_plugin.records.deployment import Deployment  # noqa: E402
 from trace_plugin.records.env_spec import EnvSpec  # noqa: E402
 from trace_plugin.records.mixture import Mixture  # noqa: E402
@@ -155,6 +156,12 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, help="improvement cycles")
     parser.add_argument("--out", type=Path, help="the run's folder (default: bench-out/improvement-PRESET)")
     parser.add_argument(
+        "--precision",
+        choices=get_args(Precision),
+        default="auto",
+        help="the weights', served and trained (auto: bfloat16 where the CPU computes it natively)",
+    )
+    parser.add_argument(
         "--fresh", action="store_true", help="start over instead of resuming the folder's run"
     )
     args = parser.parse_args()
@@ -170,14 +177,22 @@ def main() -> None:
     out = (args.out or Path("bench-out") / f"improvement-{name}").resolve()
     if args.fresh and out.exists():
         shutil.rmtree(out)
-    settings = {"preset": asdict(preset), "budget": args.budget}
-    if (out / "settings.json").is_file() and json.loads((out / "settings.json").read_text()) != settings:
-        raise SystemExit(f"{out} holds a run with other settings: pass --fresh or another --out")
+    # Resolved: a run resumed on another machine must not mix precisions between its rows.
+    precision = str(torch_dtype(args.precision)).removeprefix("torch.")
+    settings = {"preset": asdict(preset), "budget": args.budget, "precision": precision}
+    kept = json.loads((out / "settings.json").read_text()) if (out / "settings.json").is_file() else settings
+    if kept != settings:
+        raise SystemExit(
+            f"{out} holds a run with other settings ({kept}, not {settings}): "
+            "pass the same options, --fresh, or another --out"
+        )
     results = Results(out / "results")
     (out / "settings.json").write_text(json.dumps(settings))
     console = Console(width=None if sys.stdout.isatty() else 160)  # a log keeps whole table cells
     started = time.monotonic()
-    stack = SupportStack(out / "stack", console, fresh=not (out / "results" / "base.json").is_file())
+    stack = SupportStack(
+        out / "stack", console, fresh=not (out / "results" / "base.json").is_file(), precision=precision
+    )
     store = stack.store
     test = list(TEST_SEEDS)[: preset.test_tasks]
     try:

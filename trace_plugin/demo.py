@@ -36,6 +36,7 @@ from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv
 from trace_plugin.environments.runner import EpisodeResult, LangGraphAgent, Runner, summarize
 from trace_plugin.improver import Improver, ImproverConfig
 from trace_plugin.improver.outputs import Mined
+from trace_plugin.model_files import Precision
 from trace_plugin.records.job import job_id
 from trace_plugin.records.outcome import reward_succeeds
 from trace_plugin.store import Store, data_dir
@@ -108,7 +109,9 @@ class SupportStack:
     """The demo's world: a store, the embedded model behind the gateway, and the example
     support agent pointed at it. The improvement benchmark runs on the same stack."""
 
-    def __init__(self, home: Path, console: Console, *, fresh: bool = True) -> None:
+    def __init__(
+        self, home: Path, console: Console, *, fresh: bool = True, precision: Precision = "auto"
+    ) -> None:
         from trace_plugin.gateway.app import GatewayConfig, create_app
         from trace_plugin.gateway.embedded import EmbeddedBackend
         from trace_plugin.gateway.server import start_in_thread
@@ -124,12 +127,13 @@ class SupportStack:
         self.recorder = trace_plugin.configure(self.db)
         self.support = _support_agent_module()
         with console.status("loading SmolLM2-135M…"):
-            self.backend = EmbeddedBackend(max_batch=16)
+            self.backend = EmbeddedBackend(max_batch=16, precision=precision)
         config = GatewayConfig(adapter_root=self.adapter_root, agent=AGENT, record=False)
         self.server = start_in_thread(create_app(self.backend, config=config))
         self.base_url = f"{self.server.url}/v1"
-        dtype = str(self.backend.dtype).removeprefix("torch.")
-        console.print(f"gateway at {self.base_url}, model {self.backend.model_id} in {dtype}")
+        # What "auto" resolved to: experts train in the precision the model is served in.
+        self.precision: Precision = str(self.backend.dtype).removeprefix("torch.")  # type: ignore[assignment]
+        console.print(f"gateway at {self.base_url}, model {self.backend.model_id} in {self.precision}")
 
     def agent(self, model: str, *, evaluation: bool) -> LangGraphAgent:
         support, base_url = self.support, self.base_url
@@ -179,6 +183,7 @@ class SupportStack:
                     "hint_fraction": 0.5,
                     "max_turns": 3,
                     "max_completion_length": 48,
+                    "precision": self.precision,
                 },
                 eval_seeds=preset.eval_seeds,
             ),
