@@ -20,6 +20,9 @@ Side by side in one run, on the embedded SmolLM2-135M (CPU):
 - the same prompts through one expert, folded into the base weights (as the backend runs a
   batch with one adapter), against that adapter active, PEFT's mixed-batch split, and the
   base model;
+- sixteen agent prompts whose replies differ in length (12 to 96 tokens), eight decoding
+  at a time: static batches (each decodes until its longest reply ends) against the
+  backend's continuous batching, greedy tokens compared;
 - the support agent's prompts (cached opening) with decode steps attending through our two
   matmuls (the default for bf16 without a GPU) against SDPA's kernel, greedy tokens compared;
 - tokens/s through the gateway in bf16 (the default where the CPU runs it natively)
@@ -71,7 +74,7 @@ from trace_plugin.gateway.embedded import EmbeddedBackend
 from trace_plugin.gateway.protocol import MAX_STOPS
 from trace_plugin.gateway.routing import KeywordRouter
 from trace_plugin.gateway.server import start_in_thread
-from trace_plugin.generation import common_length, folded
+from trace_plugin.generation import common_length, folded, generate_batch
 from trace_plugin.improver.config import CORPUS_SEEDS
 from trace_plugin.improver.stages import retrieval_corpus
 from trace_plugin.records.router_spec import ClassifierSpec, ExpertEntry, Retrieval
@@ -343,6 +346,55 @@ def decode_attention_seconds(backend: EmbeddedBackend, rounds: int, max_tokens: 
     }
 
 
+def continuous_batching_seconds(backend: EmbeddedBackend, rounds: int, longest: int) -> dict[str, Any]:
+    """Seconds for sixteen agent prompts whose replies differ in length (an eighth of
+    ``longest`` up to all of it), eight decoding at a time, no prefix cache, alternating:
+    static batches of eight in arrival order (``generate_batch``, as the backend ran them
+    before: a batch decodes until its longest reply ends, and the next waits for it)
+    against the backend's continuous batching. Greedy tokens compared."""
+    prompts = agent_prompts(backend, 16)
+    lengths = [max(1, longest * k // 8) for k in (8, 1, 4, 6, 2, 7, 3, 5)] * 2
+    rows = [tuple(ids) for ids in backend.tokenizer(prompts, add_special_tokens=False).input_ids]
+    greedy = dict(do_sample=False, temperature=None, top_p=None, top_k=None, eos_token_id=backend._eos_id)
+
+    def static(lengths: list[int]) -> list[list[int]]:
+        replies = []
+        for first in range(0, len(rows), backend.max_batch):
+            group = slice(first, first + backend.max_batch)
+            new = max(lengths[group])
+            with torch.inference_mode():
+                out, width = generate_batch(
+                    backend.model, rows[group], backend.tokenizer.pad_token_id,
+                    max_new_tokens=new, min_new_tokens=new, **greedy,
+                )  # fmt: skip
+            replies += [seq[width : width + n].tolist() for seq, n in zip(out, lengths[group], strict=True)]
+        return replies
+
+    def continuous(lengths: list[int]) -> list[list[int]]:
+        async def run() -> list[list[Any]]:
+            asks = [SamplingParams(max_tokens=n, min_tokens=n) for n in lengths]
+            return await asyncio.gather(
+                *(backend.generate(p, a, None) for p, a in zip(prompts, asks, strict=True))
+            )
+
+        return [reply[0].token_ids for reply in asyncio.run(run())]
+
+    cache, backend.prefix_cache = backend.prefix_cache, None
+    times, tokens = {"static": 0.0, "continuous": 0.0}, {}
+    static([1] * len(rows)), continuous([1] * len(rows))  # warm-up: one token each
+    for _ in range(rounds):
+        for how, run in (("static", static), ("continuous", continuous)):
+            start = time.perf_counter()
+            tokens[how] = run(lengths)
+            times[how] += time.perf_counter() - start
+    backend.prefix_cache = cache
+    return {
+        **{how: t / rounds for how, t in times.items()},
+        "agreed": sum(map(common_length, tokens["static"], tokens["continuous"])),
+        "total": sum(lengths),
+    }
+
+
 def agent_prompts(backend: EmbeddedBackend, n: int) -> list[str]:
     """The support agent's opening prompts (policy, tool schemas, a ticket) for ``n`` test seeds."""
     return [backend.render(RetailEnv().opening(seed), TOOLS) for seed in list(TEST_SEEDS)[:n]]
@@ -452,6 +504,7 @@ def main() -> None:
     uncached_s, cached_s = prefix_cache_speedup(backend, rounds + 1, max_tokens)
     tools_s = per_request_tools(backend, rounds + 1, max_tokens)
     attention_s = decode_attention_seconds(backend, rounds + 1, max_tokens)
+    continuous_s = continuous_batching_seconds(backend, rounds, 96)
     native = backend.dtype == torch.bfloat16
     precision = precision_tokens_per_s(backend, rounds, max_tokens) if native else None
     with tempfile.TemporaryDirectory() as tmp:
@@ -523,6 +576,20 @@ def main() -> None:
         f"{attention_s['agreed']} of {attention_s['total']}",
         "",
     )
+    table.add_row(
+        "16 agent prompts, replies of 12-96 tokens, static batches of 8",
+        f"{continuous_s['static']:.2f} s",
+        "",
+    )
+    table.add_row("the same, continuous batching (8 slots)", f"{continuous_s['continuous']:.2f} s", "")
+    table.add_row(
+        "continuous batching speedup", f"{continuous_s['static'] / continuous_s['continuous']:.2f}×", ""
+    )
+    table.add_row(
+        "  greedy tokens agreeing before the first divergence",
+        f"{continuous_s['agreed']} of {continuous_s['total']}",
+        "",
+    )
     table.add_row("max_tokens=1 request, no stop list", f"{no_stops_s:.3f} s", "")
     table.add_row(f"max_tokens=1 request, {MAX_STOPS} new stop strings", f"{stops_s:.3f} s", "")
     table.add_row("stop list stall ratio", f"{stops_s / no_stops_s:.2f}×", "≈ 1")
@@ -560,6 +627,10 @@ def main() -> None:
                 "single_adapter_speedup": round(batch_s["mixed_split"] / batch_s["folded"], 3),
                 "fold_speedup": round(batch_s["active"] / batch_s["folded"], 3),
                 "decode_attention_speedup": round(attention_s["sdpa"] / attention_s["ours"], 3),
+                "continuous_batching_speedup": round(continuous_s["static"] / continuous_s["continuous"], 3),
+                "continuous_batching_token_agreement": round(
+                    continuous_s["agreed"] / continuous_s["total"], 3
+                ),
                 "stop_list_stall_ratio": round(stops_s / no_stops_s, 3),
                 "ttft_s": round(ttft_s, 3),
                 "ttft_ratio": round(ttft_s / streamed_s, 3),

@@ -294,20 +294,17 @@ def test_stop_matcher_finds_what_a_scan_of_every_string_finds():
 
 
 def test_the_embedded_stop_criterion_stops_rows_at_the_token_completing_a_stop(tokenizer):
-    import torch
-
     from trace_plugin.gateway.embedded import RowWatch
 
     text = "Thought: I should look up é and 日本. Observation: found it. Done."
     ids = tokenizer(text, add_special_tokens=False).input_ids
 
     def run(stops: StopMatcher) -> list[int | None]:
-        criterion = RowWatch(tokenizer, 2, stops)
+        watches = [RowWatch(tokenizer, stops), RowWatch(tokenizer, stops)]
         stopped: list[int | None] = [None, None]
         for i in range(len(ids)):
-            rows = torch.tensor([ids[: i + 1], [ids[0]] * (i + 1)])  # row 1 never stops
-            for row, done in enumerate(criterion(rows, None).tolist()):
-                if done and stopped[row] is None:
+            for row, token in enumerate([ids[i], ids[0]]):  # row 1 never stops
+                if watches[row].push(token) and stopped[row] is None:
                     stopped[row] = i
         return stopped
 

@@ -122,28 +122,26 @@ def test_a_forced_opening_streams_the_call_it_starts():
 
 
 def test_a_streamed_row_holds_back_what_may_begin_a_stop_and_never_sends_the_stop(tokenizer):
-    import torch
-
     text = "Thought: look up é and 日本. Observation: found it."
     ids = tokenizer(text, add_special_tokens=False).input_ids
     sent: list[str] = []
     gone = {"now": False}
-    watch = RowWatch(
-        tokenizer,
-        2,
-        StopMatcher(["Observation:"]),
-        [RowOutput(sent.append), RowOutput(None, lambda: gone["now"])],
-    )
+    stops = StopMatcher(["Observation:"])
+    watches = [
+        RowWatch(tokenizer, stops, RowOutput(sent.append)),
+        RowWatch(tokenizer, stops, RowOutput(None, lambda: gone["now"])),
+    ]
     stopped_at = None
-    for i in range(len(ids)):
+    for i, token in enumerate(ids):
         gone["now"] = i >= 3
-        done = watch(torch.tensor([ids[: i + 1], ids[: i + 1]]), None).tolist()
+        done = [watch.push(token) for watch in watches]
         if done[0] and stopped_at is None:
             stopped_at = i
         assert done[1] == (i >= 3)  # the row nobody wants stops at once
         assert "Observation" not in "".join(sent)
     assert "".join(sent) == text[: text.index("Observation:")]
     assert stopped_at is not None and stopped_at < len(ids) - 1
+    assert watches[1].cancelled and not watches[0].cancelled
 
 
 @pytest.fixture(scope="module")

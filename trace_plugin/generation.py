@@ -9,11 +9,13 @@ every row continues from its keys and values:
 - :func:`prefill`: the keys and values of a prefix, continuing from a shorter one's;
 - :func:`shared_prefix`: a batch's own common opening, run once and repeated per row
   (training); the gateway keeps prefixes across requests instead
-  (:class:`~trace_plugin.gateway.prefix_cache.PrefixCache`) and joins its rows' entries
-  with :func:`stacked_cache`;
+  (:class:`~trace_plugin.gateway.prefix_cache.PrefixCache`);
 - :func:`generate_batch`: ``model.generate`` over the rows' remaining tokens, left-padded
   after their cached prefixes, which may differ in length (:func:`continuation_batch`),
-  into a preallocated cache (:func:`preallocated`);
+  into a preallocated cache (:func:`preallocated`): a batch that starts and ends together
+  (a rollout group);
+- :class:`SlotCache`: the cache of a batch that rows join and leave while it decodes (the
+  gateway's continuous batching);
 - :class:`TemperatureSampler`: plain temperature sampling for ``generate``, cheaper
   than its own;
 - :class:`Fold`: a LoRA's low-rank product summed into its base weights while many tokens
@@ -76,8 +78,11 @@ def until_eos(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
-def prefill(model: Any, ids: Sequence[int], *, past: Layers | None = None, **model_kwargs: Any) -> Any:
-    """A ``DynamicCache`` holding the keys and values of ``past`` followed by ``ids`` (one row).
+def prefill(
+    model: Any, ids: Sequence[int], *, past: Layers | None = None, **model_kwargs: Any
+) -> tuple[Any, Any]:
+    """A ``DynamicCache`` holding the keys and values of ``past`` followed by ``ids`` (one
+    row), and the logits at its last position (the first reply token's distribution).
 
     ``model_kwargs`` go to the forward pass (a PEFT mixed batch's ``adapter_names``).
     """
@@ -85,14 +90,14 @@ def prefill(model: Any, ids: Sequence[int], *, past: Layers | None = None, **mod
     from transformers import DynamicCache
 
     cache = DynamicCache(ddp_cache_data=past, config=model.config)
-    model(
+    out = model(
         input_ids=torch.tensor([ids], device=model.device),
         cache=cache,
         use_cache=True,
         logits_to_keep=1,
         **model_kwargs,
     )
-    return cache
+    return cache, out.logits[0, -1]
 
 
 def layers(cache: Any) -> Layers:
@@ -106,33 +111,9 @@ def shared_prefix(model: Any, rows: Sequence[Sequence[int]], min_tokens: int = 6
     skip = shared_prefix_length(rows, min_tokens)
     if not skip:
         return 0, None
-    cache = prefill(model, rows[0][:skip])
+    cache, _ = prefill(model, rows[0][:skip])
     cache.batch_repeat_interleave(len(rows))
     return skip, cache
-
-
-def stacked_cache(model: Any, entries: Sequence[Layers | None], skips: Sequence[int]) -> Any:
-    """One batch cache from each row's prefix entry (row i: ``entries[i]`` cut to its first
-    ``skips[i]`` tokens, or nothing), zero-padded to the longest; the padding is masked
-    (:func:`continuation_batch`)."""
-    import torch
-    from transformers import DynamicCache
-
-    cached = max(skips)
-    first = next(kv for kv in entries if kv is not None)
-
-    def row(kv: Layers | None, layer: int, part: int, skip: int) -> Any:
-        head = (first if kv is None else kv)[layer][part][:, :, :skip]  # a row with no entry skips 0
-        return torch.cat([head, head.new_zeros((*head.shape[:2], cached - skip, head.shape[3]))], dim=2)
-
-    stacked = [
-        tuple(
-            torch.cat([row(kv, layer, part, s) for kv, s in zip(entries, skips, strict=True)])
-            for part in (0, 1)
-        )
-        for layer in range(len(first))
-    ]
-    return DynamicCache(ddp_cache_data=stacked, config=model.config)
 
 
 def preallocated(model: Any, prefix: Any, length: int) -> Any:
@@ -149,6 +130,92 @@ def preallocated(model: Any, prefix: Any, length: int) -> Any:
         for layer, (keys, values) in enumerate(layers(prefix)):
             cache.update(keys, values, layer)
     return cache
+
+
+class SlotCache:
+    """The keys and values of a decode batch that rows join and leave while it runs.
+
+    Row i of the batch lives in slot i, at its own length: a step writes each row's new
+    position at that row's length, and attends each row to its own positions only
+    (:meth:`step_inputs`). A row joins with its prompt's keys and values (:meth:`put`) and
+    leaves by having the last row moved into its slot (:meth:`move`), so the running rows
+    are always slots ``0 .. rows - 1`` and every step is one batch without holes.
+
+    transformers sees it as the model's ``cache``: only :meth:`update` is called, with the
+    explicit positions and 4-D mask the step passes.
+    """
+
+    def __init__(self, model: Any, slots: int, capacity: int) -> None:
+        import torch
+
+        config = model.config
+        heads = config.num_attention_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        shape = (slots, getattr(config, "num_key_value_heads", heads), capacity, dim)
+        new = lambda: torch.zeros(shape, dtype=model.dtype, device=model.device)  # noqa: E731
+        self.keys = [new() for _ in range(config.num_hidden_layers)]
+        self.values = [new() for _ in range(config.num_hidden_layers)]
+        self.lengths = [0] * slots
+        self.rows = 0
+        self._at: Any = None  # this step's write positions, one per row
+        self._index: Any = None  # and the rows they are in
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
+    def slots(self) -> int:
+        return self.keys[0].shape[0]
+
+    def grow(self, capacity: int) -> None:
+        """Room for ``capacity`` positions per slot, keeping what every slot holds."""
+        if capacity <= self.capacity:
+            return
+        for caches in (self.keys, self.values):
+            for layer, cache in enumerate(caches):
+                grown = cache.new_zeros((*cache.shape[:2], capacity, cache.shape[3]))
+                grown[:, :, : cache.shape[2]] = cache
+                caches[layer] = grown
+
+    def put(self, slot: int, kv: Layers) -> None:
+        """Slot ``slot`` holds ``kv`` (one row's keys and values per layer) and nothing after."""
+        length = kv[0][0].shape[2]
+        for layer, (keys, values) in enumerate(kv):
+            self.keys[layer][slot, :, :length] = keys[0]
+            self.values[layer][slot, :, :length] = values[0]
+        self.lengths[slot] = length
+
+    def move(self, source: int, slot: int) -> None:
+        """Slot ``slot`` holds what ``source`` holds."""
+        length = self.lengths[source]
+        for cache in (*self.keys, *self.values):
+            cache[slot, :, :length] = cache[source, :, :length]
+        self.lengths[slot] = length
+
+    def step_inputs(self) -> tuple[Any, Any]:
+        """Position ids and attention mask for a step of the running rows, one new token each."""
+        import torch
+
+        device = self.keys[0].device
+        self._index = torch.arange(self.rows, device=device)
+        self._at = torch.tensor(self.lengths[: self.rows], device=device)
+        width = max(self.lengths[: self.rows]) + 1
+        visible = torch.arange(width, device=device)[None, :] <= self._at[:, None]
+        return self._at[:, None], visible[:, None, None, :]
+
+    def update(self, keys: Any, values: Any, layer: int, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """transformers' cache interface: store a step's keys and values; all a row may attend to."""
+        rows = self.rows
+        self.keys[layer][self._index, :, self._at] = keys[:, :, 0]
+        self.values[layer][self._index, :, self._at] = values[:, :, 0]
+        width = max(self.lengths[:rows]) + 1
+        return self.keys[layer][:rows, :, :width], self.values[layer][:rows, :, :width]
+
+    def advance(self) -> None:
+        """After a step: every running row is a position longer."""
+        for slot in range(self.rows):
+            self.lengths[slot] += 1
 
 
 class TemperatureSampler:
