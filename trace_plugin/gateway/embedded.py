@@ -170,7 +170,7 @@ class EmbeddedBackend:
         request = _Request(prompt, params, adapter, asyncio.get_running_loop(), streams)
         with self._engine_lock:
             self._closing = False
-            if self._engine is None:
+            if self._engine is None or not self._engine.is_alive():
                 self._engine = threading.Thread(target=self._serve, name="embedded-engine", daemon=True)
                 self._engine.start()
             self._submitted.put(request)
@@ -260,10 +260,17 @@ class EmbeddedBackend:
                 while True:
                     self._queue_rows(self._submitted.get_nowait(), waiting)
             waiting = deque(row for row in waiting if not row.request.over)
-            with self._torch, torch.inference_mode():
-                self._admit(waiting)
-                if self._running:
-                    self._step()
+            try:
+                with self._torch, torch.inference_mode():
+                    self._admit(waiting)
+                    if self._running:
+                        self._step()
+            except Exception as exc:  # noqa: BLE001 - a bug here must not leave requests waiting for ever
+                for row in (*self._running, *waiting):
+                    self._fail(row.request, exc)
+                waiting.clear()
+                self._running = []
+                self._slots = None
 
     def _queue_rows(self, request: _Request | None, waiting: deque[_Row]) -> None:
         """A request's rows join the wait for a slot (None: a wake-up, no request)."""
