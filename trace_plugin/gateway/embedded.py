@@ -50,7 +50,7 @@ _ROUND = 256  # slot capacity grows in steps of this many positions
 class _Request:
     """A queued request, and the queue its events reach its event loop through."""
 
-    prompt: str
+    ids: Ids  # the prompt's tokens
     params: SamplingParams
     adapter: str | None
     loop: asyncio.AbstractEventLoop
@@ -85,7 +85,6 @@ class _Row:
 
     request: _Request
     index: int
-    ids: Ids  # the prompt's tokens
     watch: RowWatch
     banned: list[list[int]]  # token sequences it must not complete (``bad_words``)
     generator: Any  # a seeded request's own random numbers; None: torch's
@@ -97,6 +96,10 @@ class _Row:
     @property
     def params(self) -> SamplingParams:
         return self.request.params
+
+    @property
+    def ids(self) -> Ids:
+        return self.request.ids
 
 
 class EmbeddedBackend:
@@ -166,8 +169,8 @@ class EmbeddedBackend:
     ) -> _Request:
         if adapter is not None and adapter not in self._adapters:
             raise BackendError(f"adapter {adapter!r} is not loaded", status=404)
-        await self._check_fits(prompt, params.max_tokens)
-        request = _Request(prompt, params, adapter, asyncio.get_running_loop(), streams)
+        ids = await self._prompt_ids(prompt, params.max_tokens)
+        request = _Request(ids, params, adapter, asyncio.get_running_loop(), streams)
         with self._engine_lock:
             self._closing = False
             if self._engine is None or not self._engine.is_alive():
@@ -207,20 +210,19 @@ class EmbeddedBackend:
         finally:
             request.cancelled = finished < request.params.n
 
-    async def _check_fits(self, prompt: str, max_tokens: int) -> None:
-        """A 400 for a prompt the model's context cannot hold, before it joins a batch:
-        in one, it would fail every request generated beside it."""
-        if self.context is None:
-            return
-        if len(prompt) > self.context * self._max_token_chars:
+    async def _prompt_ids(self, prompt: str, max_tokens: int) -> Ids:
+        """The prompt's tokens; a 400 for a prompt the model's context cannot hold, before it
+        is queued (a prompt too long by its characters alone is never tokenized)."""
+        if self.context is not None and len(prompt) > self.context * self._max_token_chars:
             raise BackendError(f"the prompt ({len(prompt)} characters) cannot fit the model's context", 400)
-        tokens = len(await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=False))
-        if tokens + max_tokens > self.context:
+        ids = tuple(await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=False))
+        if self.context is not None and len(ids) + max_tokens > self.context:
             raise BackendError(
-                f"the prompt is {tokens} tokens and max_tokens {max_tokens}: "
+                f"the prompt is {len(ids)} tokens and max_tokens {max_tokens}: "
                 f"over the model's {self.context}-token context",
                 400,
             )
+        return ids
 
     async def embed(self, texts: list[str]) -> list[list[float]]:
         return await asyncio.to_thread(self._embed, texts)
@@ -277,12 +279,8 @@ class EmbeddedBackend:
         if request is None or request.over:
             return
         try:
-            ids = tuple(self.tokenizer.encode(request.prompt, add_special_tokens=False))
-            banned = (
-                forbidden_token_ids(self.tokenizer, request.params.bad_words)
-                if request.params.bad_words
-                else []
-            )
+            words = request.params.bad_words
+            banned = forbidden_token_ids(self.tokenizer, words) if words else []
             stops = StopMatcher(request.params.stop) if request.params.stop else None
         except Exception as exc:  # noqa: BLE001 - the request's error, not the engine's
             self._fail(request, exc)
@@ -294,7 +292,7 @@ class EmbeddedBackend:
             generator = torch.Generator().manual_seed(request.params.seed)
         for index in range(request.params.n):
             watch = RowWatch(self.tokenizer, stops, _row_output(request, index), eos=self._eos_id)
-            waiting.append(_Row(request, index, ids, watch, banned, generator))
+            waiting.append(_Row(request, index, watch, banned, generator))
 
     def _admit(self, waiting: deque[_Row]) -> None:
         """Waiting rows take the free slots, first come first served: each runs its prompt
