@@ -21,6 +21,8 @@ QUESTIONS = [
     "Say hello in French.",
     "List two fruits.",
     "Describe a lighthouse keeper's day.",
+    # Longer than the slots first made room for: joining grows them under the running rows.
+    "Count the words in this text: " + "the sea is calm today and the boats are out " * 40,
 ]
 
 
@@ -51,9 +53,10 @@ def alone(backend: EmbeddedBackend, text: str, max_tokens: int) -> list[int]:
 
 
 def test_rows_that_join_and_leave_a_running_batch_get_the_tokens_they_would_alone(backend):
-    """Six requests of different lengths through two slots: each row starts beside one that
-    is part-way through, and rows move between slots as others end."""
-    lengths = [40, 6, 24, 12, 32, 18]
+    """Seven requests of different lengths through two slots: each row starts beside one
+    that is part-way through, rows move between slots as others end, and the long prompt
+    grows the slots while a row is running."""
+    lengths = [40, 6, 24, 12, 32, 18, 8]
     prompts = [prompt(backend, q) for q in QUESTIONS]
 
     async def run() -> list[list[int]]:
@@ -73,7 +76,7 @@ def test_a_short_reply_does_not_wait_for_a_long_one_beside_it(backend):
     """A long reply is decoding when a short request arrives: the short one joins the
     running batch and is done while the long one still runs (a static batch would make it
     wait for the long one to end)."""
-    long = SamplingParams(max_tokens=300, min_tokens=300)
+    long = SamplingParams(max_tokens=200, min_tokens=200)
     short = SamplingParams(max_tokens=4)
     order: list[str] = []
 
