@@ -168,15 +168,18 @@ class SlotCache:
     def slots(self) -> int:
         return self.keys[0].shape[0]
 
-    def grow(self, capacity: int) -> None:
-        """Room for ``capacity`` positions per slot, keeping what every slot holds."""
-        if capacity <= self.capacity:
+    def grow(self, slots: int, capacity: int) -> None:
+        """Room for ``slots`` rows of ``capacity`` positions, keeping what every slot holds."""
+        old_slots, old_capacity = self.slots, self.capacity
+        if slots <= old_slots and capacity <= old_capacity:
             return
         for caches in (self.keys, self.values):
             for layer, cache in enumerate(caches):
-                grown = cache.new_zeros((*cache.shape[:2], capacity, cache.shape[3]))
-                grown[:, :, : cache.shape[2]] = cache
+                shape = (max(slots, old_slots), cache.shape[1], max(capacity, old_capacity), cache.shape[3])
+                grown = cache.new_zeros(shape)
+                grown[:old_slots, :, :old_capacity] = cache
                 caches[layer] = grown
+        self.lengths += [0] * (self.slots - old_slots)
 
     def put(self, slot: int, kv: Layers) -> None:
         """Slot ``slot`` holds ``kv`` (one row's keys and values per layer) and nothing after."""
@@ -194,23 +197,26 @@ class SlotCache:
         self.lengths[slot] = length
 
     def step_inputs(self) -> tuple[Any, Any]:
-        """Position ids and attention mask for a step of the running rows, one new token each."""
+        """Position ids and attention mask (over the whole slot) for a step of the running
+        rows, one new token each."""
         import torch
 
         device = self.keys[0].device
         self._index = torch.arange(self.rows, device=device)
         self._at = torch.tensor(self.lengths[: self.rows], device=device)
-        width = max(self.lengths[: self.rows]) + 1
-        visible = torch.arange(width, device=device)[None, :] <= self._at[:, None]
+        visible = torch.arange(self.capacity, device=device)[None, :] <= self._at[:, None]
         return self._at[:, None], visible[:, None, None, :]
 
     def update(self, keys: Any, values: Any, layer: int, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        """transformers' cache interface: store a step's keys and values; all a row may attend to."""
+        """transformers' cache interface: store a step's keys and values, and return the
+        running rows' whole slots. Cut to the longest row they would be strided views, which
+        the attention kernels copy at every layer of every step (continuous batching then
+        gained 1.08x over static batches in one bf16 run, against 1.40x whole); the mask
+        hides the positions a row has not reached."""
         rows = self.rows
         self.keys[layer][self._index, :, self._at] = keys[:, :, 0]
         self.values[layer][self._index, :, self._at] = values[:, :, 0]
-        width = max(self.lengths[:rows]) + 1
-        return self.keys[layer][:rows, :, :width], self.values[layer][:rows, :, :width]
+        return self.keys[layer][:rows], self.values[layer][:rows]
 
     def advance(self) -> None:
         """After a step: every running row is a position longer."""

@@ -374,7 +374,7 @@ class EmbeddedBackend:
         capacity = -(-length // _ROUND) * _ROUND
         if self._slots is None:
             self._slots = SlotCache(self.model, self.max_batch, capacity)
-        self._slots.grow(capacity)
+        self._slots.grow(self.max_batch, capacity)  # ``max_batch`` may have been raised since
         return self._slots
 
     def _fail(self, request: _Request, exc: BaseException) -> None:
