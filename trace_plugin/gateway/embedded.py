@@ -251,6 +251,9 @@ class EmbeddedBackend:
         waiting: deque[_Row] = deque()
         while True:
             if not waiting and not self._running:
+                # Idle: free the slots; the next rows get slots sized for them, not for the
+                # longest request ever seen (every step attends over a whole slot).
+                self._slots = None
                 with self._engine_lock:
                     if self._closing and self._submitted.empty():
                         self._engine = None
