@@ -355,7 +355,8 @@ def continuous_batching_seconds(backend: EmbeddedBackend, rounds: int, longest: 
     prompts = agent_prompts(backend, 16)
     lengths = [max(1, longest * k // 8) for k in (8, 1, 4, 6, 2, 7, 3, 5)] * 2
     rows = [tuple(ids) for ids in backend.tokenizer(prompts, add_special_tokens=False).input_ids]
-    greedy = dict(do_sample=False, temperature=None, top_p=None, top_k=None, eos_token_id=backend._eos_id)
+    eos = backend.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    greedy = dict(do_sample=False, temperature=None, top_p=None, top_k=None, eos_token_id=eos)
 
     def static(lengths: list[int]) -> list[list[int]]:
         replies = []

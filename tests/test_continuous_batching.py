@@ -4,6 +4,7 @@ batch as slots free up and leave it as they end, and that changes no token of an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -39,16 +40,20 @@ def prompt(backend: EmbeddedBackend, question: str) -> str:
 
 
 def alone(backend: EmbeddedBackend, text: str, max_tokens: int) -> list[int]:
-    """transformers' own greedy ``generate`` on the prompt by itself."""
+    """transformers' own greedy ``generate`` on the prompt by itself, on the base weights
+    (earlier tests may have left adapters loaded, one folded in)."""
     ids = backend.tokenizer(text, return_tensors="pt", add_special_tokens=False)
-    with torch.inference_mode():
-        out = backend.model.generate(
-            **ids,
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            eos_token_id=backend._eos_id,
-            pad_token_id=backend.tokenizer.pad_token_id,
-        )
+    with backend._torch, torch.inference_mode():
+        backend._fold(None)
+        base = backend.model.disable_adapter() if backend._adapters else contextlib.nullcontext()
+        with base:
+            out = backend.model.generate(
+                **ids,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=backend._eos_id,
+                pad_token_id=backend.tokenizer.pad_token_id,
+            )
     return out[0, ids.input_ids.shape[1] :].tolist()
 
 

@@ -308,15 +308,14 @@ class EmbeddedBackend:
             if row.request.over:
                 continue
             try:
+                self._check_adapter(row.request)
                 adapter = row.request.adapter
-                if adapter is not None and adapter not in self._adapters:
-                    raise BackendError(f"adapter {adapter!r} was unloaded while the request waited", 404)
                 kv, logits = self._prompt(row.ids, adapter, [ids for ids in others if ids is not row.ids])
                 if self._push(row, self._next_token(row, logits)):
                     continue
-                slot = len(self._running)
-                self._slots_for(len(row.ids) + row.params.max_tokens).put(slot, kv)
-                self._slots.rows += 1  # type: ignore[union-attr]
+                slots = self._slots_for(len(row.ids) + row.params.max_tokens)
+                slots.put(len(self._running), kv)
+                slots.rows += 1
                 self._running.append(row)
             except Exception as exc:  # noqa: BLE001 - the request's error, not the engine's
                 self._fail(row.request, exc)
@@ -327,8 +326,10 @@ class EmbeddedBackend:
 
         for i in reversed(range(len(self._running))):  # gone, failed, or its adapter unloaded
             row = self._running[i]
-            if row.request.adapter is not None and row.request.adapter not in self._adapters:
-                self._fail(row.request, BackendError(f"adapter {row.request.adapter!r} was unloaded", 404))
+            try:
+                self._check_adapter(row.request)
+            except BackendError as exc:
+                self._fail(row.request, exc)
             if row.request.over:
                 self.cancelled_rows += row.request.cancelled
                 self._leave(i)
@@ -379,6 +380,11 @@ class EmbeddedBackend:
             self._slots = SlotCache(self.model, self.max_batch, capacity)
         self._slots.grow(self.max_batch, capacity)  # ``max_batch`` may have been raised since
         return self._slots
+
+    def _check_adapter(self, request: _Request) -> None:
+        """A 404 for a request whose adapter was unloaded after it was accepted."""
+        if request.adapter is not None and request.adapter not in self._adapters:
+            raise BackendError(f"adapter {request.adapter!r} was unloaded", 404)
 
     def _fail(self, request: _Request, exc: BaseException) -> None:
         if request.failed:
