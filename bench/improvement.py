@@ -84,7 +84,7 @@ from training.lora import is_noop  # noqa: E402
 # Quick is the demo's (one cycle). The default plays 48 test tasks (six per kind) over two
 # cycles of 64 traffic tasks each (at 48 the mined deficit passed the rule in 7 of 10
 # runs, one short of K), with 24 rollouts per expert.
-BENCH_PRESETS = {"quick": PRESETS["quick"], "default": Preset(48, 64, 24, 2, 4, 2, 2, 8, cycles=2)}
+BENCH_PRESETS = {"quick": PRESETS["quick"], "default": Preset(48, 64, 24, 2, 4, 2, 5, 8, cycles=2)}
 RETAIL_TURNS, RETAIL_TOKENS = 6, 96  # the support agent's horizon and reply length, as served
 
 

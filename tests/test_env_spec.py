@@ -284,6 +284,53 @@ def test_adjust_has_a_last_step():
     )
 
 
+def _ladder(spec: EnvSpec) -> list[EnvSpec]:
+    steps = []
+    while (spec := adjust(spec, 0.0)) is not None:
+        steps.append(spec)
+    return steps
+
+
+def test_easing_multi_step_completion_ends_at_single_calls_stated_in_full_with_partial_credit():
+    steps = _ladder(synthesize("multi_step_completion", TOOLS, system_prompt=POLICY))
+    single = next(s for s in steps if s.difficulty.single_step)
+    assert single.difficulty.name_tools and not any(c.kind == "arguments" for c in single.checks)
+    assert any(c.kind == "arguments" for c in steps[-1].checks) and len(steps[-1].tasks) == 1
+    for spec in steps:  # each step still passes validation: doing nothing and random calls fail
+        assert check_policies(spec, range(40)).passed
+    env = SpecEnv(single)
+    for seed in range(20):
+        task = env.reset(seed)
+        (call,) = task.metadata["reference"]  # one call, the write
+        assert call["name"] != "get_order"
+        for value in call["arguments"].values():  # the ticket states every value it needs
+            assert all(str(v) in task.prompt for v in (value if isinstance(value, list) else [value]))
+        assert _play_reference(env, seed)[1] == 1.0
+        env.reset(seed)
+        env.step(ToolCall("get_order", {"order_id": call["arguments"]["order_id"]}))
+        looked_up = env.reward("")  # only looking it up earns little: the write is the point
+        assert looked_up.components["final_state"] == 0.0 and looked_up.total < 0.2
+
+
+def test_partial_credit_rewards_a_call_of_the_right_tool_with_some_right_arguments():
+    steps = _ladder(synthesize("multi_step_completion", TOOLS, system_prompt=POLICY))
+    credited = next(s for s in steps if any(c.kind == "arguments" for c in s.checks))
+    env = SpecEnv(credited)
+    task = env.reset(3)
+    (call,) = task.metadata["reference"]
+    wrong = {k: ("nope" if k != "order_id" else v) for k, v in call["arguments"].items()}
+    env.step(ToolCall(call["name"], wrong))
+    partly = env.reward("").total
+    env.reset(3)
+    assert env.reward("").total == 0.0 < partly < 0.5
+
+
+@pytest.mark.parametrize("capability", ["argument_grounding", "precondition_verification", "policy_refusal"])
+def test_easing_never_drops_the_calls_that_are_the_capability(capability):
+    for spec in _ladder(synthesize(capability, TOOLS, system_prompt=POLICY)):
+        assert not spec.difficulty.single_step
+
+
 # -- storage -------------------------------------------------------------------------------
 
 

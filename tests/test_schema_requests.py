@@ -302,7 +302,7 @@ async def test_mcp_sessions_list_their_tasks_tools_and_hear_when_they_change(tmp
 
 
 async def test_calibration_returns_the_spec_it_measured_and_never_only_no_call_requests():
-    from trace_plugin.environments.validation import Band, adjust, calibrate
+    from trace_plugin.environments.validation import Band, adjust, calibrate, check_policies
 
     spec = synthesize("tool_selection", TOOLS, system_prompt="Help.")
 
@@ -317,7 +317,10 @@ async def test_calibration_returns_the_spec_it_measured_and_never_only_no_call_r
     while (step := adjust(easier, 0.0)) is not None:
         easier = step
         assert any(t.reference for t in easier.tasks)  # easier keeps requests that need a call
-    assert {t.kind for t in easier.tasks} == {"call_circle_area", "no_call"}
+    # One template fewer would leave no-call requests a third of the tickets: doing nothing
+    # would average 0.34, so easing stops before it.
+    assert {t.kind for t in easier.tasks} == {"call_circle_area", "call_convert_currency", "no_call"}
+    assert check_policies(easier).passed
 
 
 def test_the_easier_knob_names_the_tools_to_call_in_the_request():

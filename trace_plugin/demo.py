@@ -59,8 +59,8 @@ class Preset:
 
 
 PRESETS = {
-    "quick": Preset(8, 24, 24, 1, 4, 2, 1, 4),
-    "default": Preset(24, 48, 64, 2, 4, 2, 2, 8, cycles=2),
+    "quick": Preset(8, 24, 24, 1, 4, 2, 3, 4),
+    "default": Preset(24, 64, 24, 2, 4, 2, 5, 8, cycles=2),
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -170,13 +171,7 @@ async def prepare_environment(
         spec = proposal.spec or spec
     policies = check_policies(spec)
     report: dict[str, Any] = {
-        "policies": {
-            "reference_success": policies.reference_success,
-            "do_nothing_mean": policies.do_nothing_mean,
-            "random_mean": policies.random_mean,
-            "seeds": policies.seeds,
-            "problems": list(policies.problems),
-        },
+        "policies": asdict(policies),
         "capability": {"name": capability.name, "mining_run": capability.mining_run},
     }
     if proposal is not None:
@@ -185,9 +180,11 @@ async def prepare_environment(
         return store.save_env_spec(agent, spec, "rejected", report)
     status = "validated"
     if play is not None:
-        spec, calibration = await calibrate(
+        calibrated, calibration = await calibrate(
             spec, play, hint_fraction=hint_fraction, band=band, progress=progress
         )
+        if calibrated != spec:  # eased or made harder: the policies of the spec stored
+            spec, report["policies"] = calibrated, asdict(check_policies(calibrated))
         report["calibration"] = calibration.to_dict()
         status = "validated" if calibration.in_band else "out_of_band"
     return store.save_env_spec(agent, spec, status, report)

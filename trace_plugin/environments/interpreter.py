@@ -75,6 +75,8 @@ class SpecEnv:
         self.offered = frozenset(template.tools or [t.name for t in self.spec.tools])
         values = self._bind(template, rng)
         reference = [{"name": a.tool, "arguments": _fill(a.arguments, values)} for a in template.reference]
+        if self.spec.difficulty.single_step:
+            reference = reference[-1:]
         facts = [_fill(f, values) for f in template.facts]
         self.calls, self._done, self._creates = [], False, 0
         initial = copy.deepcopy(self.rows)

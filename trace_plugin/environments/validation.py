@@ -8,20 +8,22 @@ An environment is usable only when its reward means something:
   learnable band (mean reward 0.15–0.7 by default) with enough informative groups (K
   samples that do not all score the same: GRPO learns nothing from a constant group).
   Out of band, :func:`adjust` turns a difficulty knob and calibration runs again, up to
-  five attempts; every attempt is kept in the report.
+  five attempts; every attempt is kept in the report. Easing never lets doing nothing or
+  random calls pass: a step that would is skipped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from trace_plugin.environments.base import ToolCall
 from trace_plugin.environments.interpreter import SpecEnv
-from trace_plugin.records.env_spec import EnvSpec
+from trace_plugin.mining.kinds import KINDS
+from trace_plugin.records.env_spec import Check, EnvSpec
 from trace_plugin.records.outcome import reward_succeeds
 
 VALIDATION_SEEDS = range(1_000_000, 1_000_100)  # disjoint from training and calibration seeds
@@ -198,6 +200,7 @@ async def calibrate(
                 "in_band": in_band,
                 "difficulty": spec.difficulty.model_dump(),
                 "templates": [t.kind for t in spec.tasks],
+                "checks": [c.label for c in spec.checks],
             }
         )
         if progress:
@@ -212,8 +215,13 @@ async def calibrate(
 
 
 def adjust(spec: EnvSpec, mean: float, band: Band = DEFAULT_BAND) -> EnvSpec | None:
-    """One step easier or harder, or None when no knob is left to turn. Easier: no
-    distractor rows, then requests that name the tools to call, then fewer templates."""
+    """One step easier or harder, or None when no knob is left to turn.
+
+    Easier, in order: no distractor rows; requests that name the tools to call; one call
+    per ticket, the request stating every value it needs (for kinds whose point is that last
+    call); partial credit for calls of the
+    right tool with some right arguments; fewer templates. A step whose spec would let doing
+    nothing or random calls pass (:func:`check_policies`) is skipped."""
     difficulty = spec.difficulty
     if mean > band.high:
         if difficulty.name_tools:
@@ -222,10 +230,25 @@ def adjust(spec: EnvSpec, mean: float, band: Band = DEFAULT_BAND) -> EnvSpec | N
             return None
         harder = difficulty.model_copy(update={"distractor_rows": difficulty.distractor_rows + 4})
         return spec.model_copy(update={"difficulty": harder})
+    return next((s for s in _easier(spec) if check_policies(s).passed), None)
+
+
+def _easier(spec: EnvSpec) -> Iterator[EnvSpec]:
+    """The easing ladder's steps that change ``spec``, in order."""
+    difficulty = spec.difficulty
     if difficulty.distractor_rows:
-        return spec.model_copy(update={"difficulty": difficulty.model_copy(update={"distractor_rows": 0})})
+        yield spec.model_copy(update={"difficulty": difficulty.model_copy(update={"distractor_rows": 0})})
     if not difficulty.name_tools:  # a model that calls nothing may call what it is told to
-        return spec.model_copy(update={"difficulty": difficulty.model_copy(update={"name_tools": True})})
+        yield spec.model_copy(update={"difficulty": difficulty.model_copy(update={"name_tools": True})})
+    kind = KINDS.get(spec.capability)
+    multi_step = any(len(t.reference) > 1 for t in spec.tasks)
+    if kind is not None and kind.single_step_keeps_it and not difficulty.single_step and multi_step:
+        # Order checks ask for the calls a single-step ticket no longer needs.
+        checks = [c for c in spec.checks if c.kind != "order"]
+        single = difficulty.model_copy(update={"single_step": True})
+        yield spec.model_copy(update={"difficulty": single, "checks": checks})
+    if all(c.kind != "arguments" for c in spec.checks):
+        yield spec.model_copy(update={"checks": [*spec.checks, Check(kind="arguments")]})
     # Keep the templates with the shortest reference, then half of them. Templates whose
     # right answer is no call stay: they are a minority by design, not an easier task.
     acting = [t for t in spec.tasks if t.reference]
@@ -235,5 +258,4 @@ def adjust(spec: EnvSpec, mean: float, band: Band = DEFAULT_BAND) -> EnvSpec | N
         easier = [t for t in acting if len(t.reference) == shortest]
         if len(easier) == len(acting):
             easier = acting[: max(1, len(acting) // 2)]
-        return spec.model_copy(update={"tasks": easier + idle})
-    return None
+        yield spec.model_copy(update={"tasks": easier + idle})

@@ -30,6 +30,10 @@ class CapabilityKind:
     description: str  # what the capability is, as the miner stores and the analyzer shows it
     family: FamilyName  # the synthesis template family aimed at it
     hint: str  # the guidance a synthesized environment shows a share of training rollouts
+    # Whether a ticket cut down to its last call still exercises the kind (its tickets state
+    # every value that call needs): calibration may ease to that. Not where the earlier
+    # calls are the capability.
+    single_step_keeps_it: bool = False
 
 
 KINDS: Mapping[str, CapabilityKind] = {
@@ -69,6 +73,7 @@ KINDS: Mapping[str, CapabilityKind] = {
             "Carries a request through to the action it needs, or says why not.",
             "completion",
             "Look the record up, then make the requested change.",
+            single_step_keeps_it=True,
         ),
         CapabilityKind(
             "error_recovery",

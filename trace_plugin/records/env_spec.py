@@ -158,6 +158,9 @@ class Check(_Model):
 class Difficulty(_Model):
     distractor_rows: int = Field(0, ge=0, le=MAX_ROWS)  # extra rows per table, none of them the answer
     name_tools: bool = False  # the request names the tools its reference calls (a hint in the request)
+    # Only the reference's last call is asked for (the lookups before it are left out); for
+    # kinds whose tickets already state every value that call needs.
+    single_step: bool = False
 
 
 class EnvSpec(_Model):
