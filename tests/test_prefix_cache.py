@@ -80,8 +80,9 @@ def tickets(backend: EmbeddedBackend, n: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_cached_prefixes_change_no_token(tmp_path):
+def test_cached_prefixes_change_no_token(tmp_path, monkeypatch):
     import torch
+    from peft import PeftModel
 
     backend = EmbeddedBackend(precision="float32")
     pristine = {name: p.detach().clone() for name, p in backend.model.named_parameters()}
@@ -111,11 +112,16 @@ def test_cached_prefixes_change_no_token(tmp_path):
     assert base.token_ids != reference[1].token_ids  # the adapter does change the reply
     # Batches with one adapter, or none, skip PEFT's mixed-batch split (the adapter folded
     # into the base weights, or every adapter off): same tokens.
+    # Nor does any step take PEFT's model-wide status check (``disable_adapter()`` does).
     backend.prefix_cache = None
+    checks = []
+    status = PeftModel.get_model_status
+    monkeypatch.setattr(PeftModel, "get_model_status", lambda self: checks.append(1) or status(self))
     alone = {a: [i for i, b in enumerate(adapters) if b == a] for a in (None, "expert")}
     for adapter, rows in alone.items():
         single = backend.generate_rows([prompts[i] for i in rows], [adapter] * len(rows), params)
         assert [c.token_ids for c in single] == [reference[i].token_ids for i in rows]
+    assert not checks
     # The fold is undone by the next batch without it, and by unloading: no weight drifts.
     assert backend.generate_rows(prompts[1:2], [None], params)[0].token_ids == base.token_ids
     backend.generate_rows(prompts[1:2], ["expert"], params)

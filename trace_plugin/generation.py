@@ -243,13 +243,20 @@ class TemperatureSampler:
     def __call__(self, input_ids: Any, scores: Any) -> Any:
         import torch
 
-        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
-        cdf = probs.cumsum(-1)
-        drawn = torch.rand(scores.size(0), 1, device=scores.device) * cdf[:, -1:]
-        token = torch.searchsorted(cdf, drawn, right=True)
-        # A draw rounded up to the total falls past the end: take a token with mass instead.
-        token = torch.where(token < scores.size(-1), token, probs.argmax(-1, keepdim=True))
+        token = draw(torch.softmax(scores.float() / self.temperature, dim=-1))
         return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
+
+
+def draw(probs: Any, generator: Any = None) -> Any:
+    """A token per row of ``probs`` (shape ``[..., vocab]``, rows not necessarily summing to
+    one), as ``[..., 1]``: one uniform per row against the cumulative distribution."""
+    import torch
+
+    cdf = probs.cumsum(-1)
+    drawn = torch.rand(*probs.shape[:-1], 1, generator=generator, device=probs.device) * cdf[..., -1:]
+    token = torch.searchsorted(cdf, drawn, right=True)
+    # A draw rounded up to the total falls past the end: take a token with mass instead.
+    return torch.where(token < probs.size(-1), token, probs.argmax(-1, keepdim=True))
 
 
 def generate_batch(

@@ -39,7 +39,7 @@ from trace_plugin.gateway.backend import (
 )
 from trace_plugin.gateway.prefix_cache import PrefixCache, line_end_tokens
 from trace_plugin.gateway.stops import StopMatcher
-from trace_plugin.generation import Fold, Ids, Layers, SlotCache, layers, prefill, until_eos
+from trace_plugin.generation import Fold, Ids, Layers, SlotCache, draw, layers, prefill, until_eos
 from trace_plugin.model_files import Precision, load_model, resolve_model
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -133,6 +133,7 @@ class EmbeddedBackend:
             self._eos_id = self.tokenizer.eos_token_id
         self._adapters: dict[str, Path] = {}
         self._folded: tuple[str, Fold] | None = None  # the adapter in the base weights now
+        self._a_lora_layer: Any = None  # one of PEFT's LoRA layers: they are all on or all off
         # vLLM-style automatic prefix caching: this many prefixes' keys and values (0: off).
         # Prefixes end at a turn of the shared ChatML template, or at the end of a line.
         turn = self.tokenizer.convert_tokens_to_ids("<|im_start|>")
@@ -324,6 +325,9 @@ class EmbeddedBackend:
         """One token for every running row; rows that end leave their slots."""
         import torch
 
+        slots = self._slots
+        if slots is None:
+            return
         for i in reversed(range(len(self._running))):  # gone, failed, or its adapter unloaded
             row = self._running[i]
             try:
@@ -332,24 +336,21 @@ class EmbeddedBackend:
                 self._fail(row.request, exc)
             if row.request.over:
                 self.cancelled_rows += row.request.cancelled
-                self._leave(i)
+                self._leave(slots, i)
         if not self._running:
             return
-        slots = self._slots
-        assert slots is not None
         try:
-            routing, route = self._route([row.request.adapter for row in self._running])
+            route = self._route([row.request.adapter for row in self._running])
             positions, mask = slots.step_inputs()
             tokens = torch.tensor([[row.tokens[-1]] for row in self._running], device=self.model.device)
-            with routing:
-                out = self.model(
-                    input_ids=tokens,
-                    position_ids=positions,
-                    attention_mask=mask,
-                    cache=slots,
-                    use_cache=True,
-                    **route,
-                )
+            out = self.model(
+                input_ids=tokens,
+                position_ids=positions,
+                attention_mask=mask,
+                cache=slots,
+                use_cache=True,
+                **route,
+            )
             slots.advance()
             done = [
                 self._push(row, self._next_token(row, out.logits[i, -1]))
@@ -362,16 +363,16 @@ class EmbeddedBackend:
             return
         for i in reversed(range(len(done))):
             if done[i]:
-                self._leave(i)
+                self._leave(slots, i)
 
-    def _leave(self, i: int) -> None:
+    def _leave(self, slots: SlotCache, i: int) -> None:
         """Row i's slot is free: the last running row moves into it."""
         last = len(self._running) - 1
         if i != last:
-            self._slots.move(last, i)  # type: ignore[union-attr]
+            slots.move(last, i)
             self._running[i] = self._running[last]
         self._running.pop()
-        self._slots.rows -= 1  # type: ignore[union-attr]
+        slots.rows -= 1
 
     def _slots_for(self, length: int) -> SlotCache:
         """The slot cache, with room for a row of ``length`` positions."""
@@ -418,14 +419,12 @@ class EmbeddedBackend:
         """The keys and values of ``prefix`` under ``adapter``, continuing from ``base``'s,
         and the logits after it."""
         start = len(base[0]) if base else 0
-        routing, route = self._route([adapter])
-        with routing:
-            cache, logits = prefill(self.model, prefix[start:], past=base[1] if base else None, **route)
+        route = self._route([adapter])
+        cache, logits = prefill(self.model, prefix[start:], past=base[1] if base else None, **route)
         return layers(cache), logits
 
-    def _route(self, adapters: list[str | None]) -> tuple[contextlib.AbstractContextManager, dict[str, Any]]:
-        """How to run rows through their adapters, beside the running ones: a context to
-        run in, and model kwargs.
+    def _route(self, adapters: list[str | None]) -> dict[str, Any]:
+        """The model kwargs that run rows through their adapters, beside the running ones.
 
         PEFT's mixed batch (``adapter_names``) splits every LoRA layer's input by adapter,
         which makes one expert's batch 1.21x slower than with that adapter active
@@ -435,12 +434,21 @@ class EmbeddedBackend:
         adapter folded in, and stays folded; with none, with every adapter disabled.
         """
         if not self._adapters:
-            return contextlib.nullcontext(), {}
+            return {}
         names = set(adapters) | {row.request.adapter for row in self._running}
         self._fold(next(iter(names)) if len(names) == 1 else None)
-        if len(names) > 1:
-            return contextlib.nullcontext(), {"adapter_names": [a or BASE for a in adapters]}
-        return self.model.disable_adapter(), {}  # the base weights, ``_folded``'s adapter in them
+        self._lora(on=len(names) > 1)
+        return {"adapter_names": [a or BASE for a in adapters]} if len(names) > 1 else {}
+
+    def _lora(self, *, on: bool) -> None:
+        """Turn PEFT's LoRA layers on or off, and leave them so: ``model.disable_adapter()``
+        around every step would take its model-wide status check each time (a sixth of a
+        decode step here, profiled)."""
+        if self._a_lora_layer.disable_adapters == on:
+            if on:
+                self.model.base_model.enable_adapter_layers()
+            else:
+                self.model.base_model.disable_adapter_layers()
 
     def _fold(self, name: str | None) -> None:
         """Have ``name``'s adapter, and no other, folded into the base weights (None: none)."""
@@ -511,14 +519,16 @@ class EmbeddedBackend:
         # The index of each row's last real token, whichever side the padding is on.
         last = (enc.attention_mask * torch.arange(enc.attention_mask.shape[1])).argmax(dim=1)
         with self._torch, torch.inference_mode():
-            self._fold(None)  # the frozen base model's states, whatever is loaded
-            with self.model.disable_adapter() if self._adapters else contextlib.nullcontext():
-                out = self.model(**enc, output_hidden_states=True, logits_to_keep=1)
+            if self._adapters:  # the frozen base model's states, whatever is loaded
+                self._fold(None)
+                self._lora(on=False)
+            out = self.model(**enc, output_hidden_states=True, logits_to_keep=1)
         states = out.hidden_states[-1][torch.arange(len(texts)), last]
         return torch.nn.functional.normalize(states.float(), dim=-1).tolist()
 
     def _load_adapter(self, name: str, path: Path) -> None:
         from peft import PeftModel
+        from peft.tuners.lora import LoraLayer
 
         with self._torch:
             if name in self._adapters:
@@ -532,6 +542,8 @@ class EmbeddedBackend:
                 raise BackendError(f"could not load adapter {name!r} from {path}: {exc}", status=400) from exc
             self.model.eval()
             self._adapters[name] = path
+            self._a_lora_layer = next(m for m in self.model.modules() if isinstance(m, LoraLayer))
+            self.model.base_model.disable_adapter_layers()  # new layers come in on: all alike again
 
     def _unload_adapter(self, name: str) -> None:
         with self._torch:
@@ -553,7 +565,7 @@ def _ends_with(ids: list[int], tail: list[int]) -> bool:
 
 def _draw(scores: Any, top_p: float, generator: Any) -> int:
     """A token drawn from softmax(``scores``), within the smallest set of most likely tokens
-    whose mass reaches ``top_p``: one uniform against the cumulative distribution."""
+    whose mass reaches ``top_p``."""
     import torch
 
     probs = torch.softmax(scores, dim=-1)
@@ -561,10 +573,7 @@ def _draw(scores: Any, top_p: float, generator: Any) -> int:
         sorted_probs, order = probs.sort(descending=True)
         keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # the first always stays
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-    cdf = probs.cumsum(-1)
-    drawn = torch.rand(1, generator=generator, device=scores.device) * cdf[-1]
-    token = int(torch.searchsorted(cdf, drawn, right=True))
-    return token if token < scores.shape[-1] else int(probs.argmax())  # a draw rounded past the end
+    return int(draw(probs, generator))
 
 
 def _row_output(request: _Request, index: int) -> RowOutput:
