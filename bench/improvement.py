@@ -78,6 +78,7 @@ from trace_plugin.records.deployment import Deployment  # noqa: E402
 from trace_plugin.records.env_spec import EnvSpec  # noqa: E402
 from trace_plugin.records.mixture import Mixture  # noqa: E402
 from trace_plugin.records.outcome import reward_succeeds  # noqa: E402
+from trace_plugin.stage_results import StageResults  # noqa: E402
 from training.config import ExpertTrainingConfig  # noqa: E402
 from training.lora import is_noop  # noqa: E402
 
@@ -129,24 +130,6 @@ def paired_gain(method: list[float], baseline: list[float]) -> tuple[float, floa
     return bootstrap([m - b for m, b in zip(method, baseline, strict=True)])
 
 
-class Results:
-    """Each stage's result as JSON under the run's folder: a re-run picks up where one stopped."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        folder.mkdir(parents=True, exist_ok=True)
-
-    def get(self, key: str, compute: Callable[[], Any]) -> Any:
-        path = self.folder / f"{key}.json"
-        if path.is_file():
-            return json.loads(path.read_text())
-        value = compute()
-        partial = path.with_suffix(".partial")
-        partial.write_text(json.dumps(value))
-        partial.replace(path)
-        return value
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -186,7 +169,7 @@ def main() -> None:
             f"{out} holds a run with other settings ({kept}, not {settings}): "
             "pass the same options, --fresh, or another --out"
         )
-    results = Results(out / "results")
+    results = StageResults(out / "results")
     (out / "settings.json").write_text(json.dumps(settings))
     console = Console(width=None if sys.stdout.isatty() else 160)  # a log keeps whole table cells
     started = time.monotonic()

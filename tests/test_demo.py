@@ -7,12 +7,13 @@ import json
 import pytest
 
 from trace_plugin import demo
-from trace_plugin.demo import AGENT, Preset
+from trace_plugin.demo import AGENT, EVAL_AGENT, Preset
+from trace_plugin.improver import Improver
 from trace_plugin.store import Store
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2400)  # five minutes alone; mining may or may not select something from 4 tasks
+@pytest.mark.timeout(2400)  # six minutes alone; mining may or may not select something from 4 tasks
 def test_demo_measures_before_and_after_each_of_two_cycles_and_writes_its_reports(tmp_path, monkeypatch):
     tiny = Preset(
         test_tasks=2,
@@ -27,10 +28,20 @@ def test_demo_measures_before_and_after_each_of_two_cycles_and_writes_its_report
     )
     monkeypatch.setitem(demo.PRESETS, "tiny", tiny)
     home, out = tmp_path / "home", tmp_path / "out"
-    report = demo.main("tiny", home=home, out=out)
+    # Killed as its first cycle's improvement starts: the run before it is kept.
+    def killed(self, **kwargs):
+        raise KeyboardInterrupt
+
+    run_once = Improver.run_once
+    monkeypatch.setattr(Improver, "run_once", killed)
+    with pytest.raises(KeyboardInterrupt):
+        demo.main("tiny", home=home, out=out)
+    monkeypatch.setattr(Improver, "run_once", run_once)
+    report = demo.main("tiny", home=home, out=out)  # resumed
 
     assert report["before"]["n"] == report["after"]["n"] == 2
     assert set(report["seconds"]) == {
+        "gateway",
         "before",
         *(f"{stage} {n}" for stage in ("traffic", "improve", "after") for n in (1, 2)),
         "total",
@@ -38,6 +49,12 @@ def test_demo_measures_before_and_after_each_of_two_cycles_and_writes_its_report
     store = Store(f"sqlite:///{home / 'trace.db'}")
     traffic = store.load_episodes(AGENT)
     assert len(traffic) == 8  # two cycles of 4, recorded by the decorated agent as deployed, with rewards
+    played = len(store.list_episodes(EVAL_AGENT, limit=1000))
+    again = demo.main("tiny", home=home, out=out)  # a finished run reports again, playing nothing
+    assert again["cycles"] == report["cycles"] and again["before"] == report["before"]
+    assert len(store.load_episodes(AGENT)) == 8 and len(store.list_episodes(EVAL_AGENT, limit=1000)) == played
+    with pytest.raises(demo.DemoError, match="--fresh"):
+        demo.main("quick", home=home, out=out)
     assert all(e.reward is not None for e in traffic)
     # Each cycle is reported as its jobs recorded it; the last one's "after" is the report's.
     cycles = report["cycles"]

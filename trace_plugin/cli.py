@@ -575,11 +575,19 @@ def dashboard(
 def demo(
     quick: Annotated[bool, typer.Option("--quick", help="The small preset (about 15 minutes here).")] = False,
     out: Annotated[Path | None, typer.Option(help="Where to write demo.md, demo.png and demo.json.")] = None,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Start over instead of resuming.")] = False,
 ) -> None:
-    """The whole loop on the embedded model: before, traffic, improve, hot-swap, after."""
-    from trace_plugin.demo import main
+    """The whole loop on the embedded model: before, traffic, improve, hot-swap, after.
 
-    main("quick" if quick else "default", out=out)
+    Each stage is kept under ~/.trace-plugin/demo/PRESET as it ends: run the same command
+    again after a kill and it picks up where it stopped."""
+    from trace_plugin.demo import DemoError, main
+
+    try:
+        main("quick" if quick else "default", out=out, fresh=fresh)
+    except DemoError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(2) from None
 
 
 @app.command("improve")

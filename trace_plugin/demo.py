@@ -12,7 +12,9 @@
    report and a plot.
 
 Test runs are recorded as agent ``eval:support-agent`` so they never feed mining.
-Every number is measured in this run; nothing is fixed in advance.
+Every number is measured in this run; nothing is fixed in advance. Each stage is kept
+under the run's folder as it ends, and the improver's own job ledger keeps its progress
+within a cycle, so a killed run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import importlib.util
 import json
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,15 +36,21 @@ from rich.table import Table
 import trace_plugin
 from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv
 from trace_plugin.environments.runner import EpisodeResult, LangGraphAgent, Runner, summarize
+from trace_plugin.errors import TracePluginError
 from trace_plugin.improver import Improver, ImproverConfig
 from trace_plugin.improver.outputs import Mined
 from trace_plugin.model_files import Precision
 from trace_plugin.records.job import job_id
 from trace_plugin.records.outcome import reward_succeeds
+from trace_plugin.stage_results import StageResults
 from trace_plugin.store import Store, data_dir
 
 AGENT = "support-agent"
 EVAL_AGENT = f"eval:{AGENT}"
+
+
+class DemoError(TracePluginError):
+    """The demo cannot resume the run its folder holds."""
 
 
 @dataclass(frozen=True)
@@ -197,46 +205,78 @@ class SupportStack:
         self.recorder.flush(30)
 
 
-def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | None = None) -> dict[str, Any]:
+def main(
+    preset_name: str = "quick", *, home: Path | None = None, out: Path | None = None, fresh: bool = False
+) -> dict[str, Any]:
+    """Run the demo, or resume the one ``home`` holds (each stage is kept there as it ends:
+    a killed run picks up where it stopped, a finished one prints its report again);
+    ``fresh`` starts over."""
     preset = PRESETS[preset_name]
     console = Console()
-    home = home or data_dir() / "demo"
+    home = home or data_dir() / "demo" / preset_name
     out = out or home
     started = time.monotonic()
     console.rule("[bold]1. gateway")
-    stack = SupportStack(home, console)
+    settings_file = home / "stages" / "settings.json"
+    kept = json.loads(settings_file.read_text()) if not fresh and settings_file.is_file() else None
+    if kept is not None and kept["preset"] != asdict(preset):
+        raise DemoError(f"{home} holds a demo run with other settings ({kept['preset']}): pass --fresh")
+    # A resumed run serves in the precision it started in, whatever this machine's "auto" is.
+    stack = SupportStack(home, console, fresh=kept is None, precision=kept["precision"] if kept else "auto")
     store, backend = stack.store, stack.backend
+    stages = StageResults(home / "stages")
+    settings_file.write_text(json.dumps({"preset": asdict(preset), "precision": stack.precision}))
 
     test = list(TEST_SEEDS)[: preset.test_tasks]
     improver = stack.improver(preset, test)
-    timings: dict[str, float] = {}
+    timings: dict[str, float] = {"gateway": time.monotonic() - started}
+
+    def timed(stage: str, compute: Callable[[], Any]) -> Any:
+        """``compute()`` kept as ``stage``, with the seconds it took when it ran."""
+
+        def run() -> dict[str, Any]:
+            mark = time.monotonic()
+            value = compute()
+            return {"value": value, "seconds": time.monotonic() - mark}
+
+        result = stages.get(stage, run)
+        timings[stage.replace("-", " ")] = result["seconds"]
+        return result["value"]
+
     try:
+        asyncio.run(improver.restore())  # a resumed run: the gateway serves what was live
         console.rule("[bold]2. before: the support agent on the test split")
-        mark = time.monotonic()
-        before = asyncio.run(improver.live_summary()).to_dict()
-        timings["before"] = time.monotonic() - mark
+        before = timed("before", lambda: _strip(asyncio.run(improver.live_summary()).to_dict()))
 
         cycles: list[CycleReport] = []
         for n in range(1, preset.cycles + 1):
             console.rule(f"[bold]3. cycle {n}: production traffic, train-split tasks not seen before")
-            mark = time.monotonic()
             seeds = list(TRAIN_SEEDS)[(n - 1) * preset.traffic_tasks : n * preset.traffic_tasks]
-            traffic_results = stack.traffic(seeds)
-            console.print(summarize(traffic_results, f"Captured traffic, cycle {n}"))
-            timings[f"traffic {n}"] = time.monotonic() - mark
+
+            def traffic(seeds: list[int] = seeds, n: int = n) -> float:
+                results = stack.traffic(seeds)
+                console.print(summarize(results, f"Captured traffic, cycle {n}"))
+                return sum(reward_succeeds(r.reward.total) for r in results) / len(seeds)
+
+            traffic_success = timed(f"traffic-{n}", traffic)
 
             console.rule(f"[bold]4. cycle {n}: mine, synthesize, train, route, evaluate, deploy")
-            mark = time.monotonic()
-            improver.run_once()
-            timings[f"improve {n}"] = time.monotonic() - mark
+
+            # Resumes the cycle a killed run left unfinished, once that run's lease has lapsed.
+            def improve() -> str | None:
+                deployment = improver.run_once(wait=2 * improver.config.lease_ttl)
+                return deployment.id if deployment else None
+
+            timed(f"improve-{n}", improve)
 
             console.rule(f"[bold]5. cycle {n}: after, the same test tasks")
-            mark = time.monotonic()
-            after = _strip(asyncio.run(improver.live_summary()).to_dict())
-            timings[f"after {n}"] = time.monotonic() - mark
-            cycle = [j.cycle for j in store.jobs(AGENT) if j.stage == "cycle"][-1]
-            traffic_success = sum(reward_succeeds(r.reward.total) for r in traffic_results) / len(seeds)
-            cycles.append(cycle_report(store, cycle, traffic_success, after))
+
+            def after(traffic_success: float = traffic_success) -> dict[str, Any]:
+                summary = _strip(asyncio.run(improver.live_summary()).to_dict())
+                cycle = [j.cycle for j in store.jobs(AGENT) if j.stage == "cycle"][-1]
+                return asdict(cycle_report(store, cycle, traffic_success, summary))
+
+            cycles.append(CycleReport(**timed(f"after-{n}", after)))
     finally:
         stack.stop()
 
@@ -280,8 +320,8 @@ def main(preset_name: str = "quick", *, home: Path | None = None, out: Path | No
             asdict(d) | {"created_at": str(d.created_at), "updated_at": str(d.updated_at)}
             for d in store.deployments(AGENT)
         ],
-        "seconds": {k: round(v, 1) for k, v in timings.items()}
-        | {"total": round(time.monotonic() - started, 1)},
+        # Stages a resumed run read back count with the seconds they took when they ran.
+        "seconds": {k: round(v, 1) for k, v in timings.items()} | {"total": round(sum(timings.values()), 1)},
     }
     _print(console, report)
     out.mkdir(parents=True, exist_ok=True)
