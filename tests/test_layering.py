@@ -23,7 +23,12 @@ LAYERS: list[set[str]] = [  # lowest first
     {"trace_plugin.chat_template", "trace_plugin.tool_calls"},  # the model's text formats
     {"trace_plugin.store"},
     {"trace_plugin.attention"},  # registered with transformers by model_files
-    {"trace_plugin.payload", "trace_plugin.model_files", "trace_plugin.generation"},
+    {
+        "trace_plugin.payload",
+        "trace_plugin.model_files",
+        "trace_plugin.generation",
+        "trace_plugin.stage_results",
+    },
     {"trace_plugin.recorder"},
     {"trace_plugin.tracer"},
     {"trace_plugin.capture", "trace_plugin.conversations"},
