@@ -225,7 +225,7 @@ def main(
     stack = SupportStack(home, console, fresh=kept is None, precision=kept["precision"] if kept else "auto")
     store, backend = stack.store, stack.backend
     stages = StageResults(home / "stages")
-    settings_file.write_text(json.dumps({"preset": asdict(preset), "precision": stack.precision}))
+    stages.get("settings", lambda: {"preset": asdict(preset), "precision": stack.precision})
 
     test = list(TEST_SEEDS)[: preset.test_tasks]
     improver = stack.improver(preset, test)

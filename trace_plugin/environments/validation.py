@@ -218,10 +218,9 @@ def adjust(spec: EnvSpec, mean: float, band: Band = DEFAULT_BAND) -> EnvSpec | N
     """One step easier or harder, or None when no knob is left to turn.
 
     Easier, in order: no distractor rows; requests that name the tools to call; one call
-    per ticket, the request stating every value it needs (for kinds whose point is that last
-    call); partial credit for calls of the
-    right tool with some right arguments; fewer templates. A step whose spec would let doing
-    nothing or random calls pass (:func:`check_policies`) is skipped."""
+    per ticket (for kinds whose point is that last call); partial credit for calls of the
+    right tool with some right arguments; fewer templates. A step whose spec would let
+    doing nothing or random calls pass (:func:`check_policies`) is skipped."""
     difficulty = spec.difficulty
     if mean > band.high:
         if difficulty.name_tools:
@@ -243,10 +242,7 @@ def _easier(spec: EnvSpec) -> Iterator[EnvSpec]:
     kind = KINDS.get(spec.capability)
     multi_step = any(len(t.reference) > 1 for t in spec.tasks)
     if kind is not None and kind.single_step_keeps_it and not difficulty.single_step and multi_step:
-        # Order checks ask for the calls a single-step ticket no longer needs.
-        checks = [c for c in spec.checks if c.kind != "order"]
-        single = difficulty.model_copy(update={"single_step": True})
-        yield spec.model_copy(update={"difficulty": single, "checks": checks})
+        yield spec.model_copy(update={"difficulty": difficulty.model_copy(update={"single_step": True})})
     if all(c.kind != "arguments" for c in spec.checks):
         yield spec.model_copy(update={"checks": [*spec.checks, Check(kind="arguments")]})
     # Keep the templates with the shortest reference, then half of them. Templates whose
