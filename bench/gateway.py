@@ -18,8 +18,9 @@ Side by side in one run, on the embedded SmolLM2-135M (CPU):
   inside the system turn, each reusing the lines it shares), and with every request
   offering all of the agent's functions instead, alternating, on fresh questions each time;
 - the same prompts through one expert, folded into the base weights (as the backend runs a
-  batch with one adapter), against that adapter active, PEFT's mixed-batch split, and the
-  base model;
+  batch with one adapter), against that adapter active, PEFT's mixed-batch split, the
+  backend's stacked weights, and the base model; and the prompts through the base and three
+  experts, one row each, by PEFT's split against the stacked weights, tokens compared;
 - sixteen agent prompts whose replies differ in length (12 to 96 tokens), eight decoding
   at a time: static batches (each decodes until its longest reply ends) against the
   backend's continuous batching, greedy tokens compared;
@@ -456,39 +457,70 @@ def per_request_tools(backend: EmbeddedBackend, rounds: int, max_tokens: int) ->
     return {**{how: t / rounds for how, t in times.items()}, "reused_frac": reused / total}
 
 
+@contextlib.contextmanager
+def peft_lora(model: Any) -> Any:
+    """PEFT's own LoRA layers on inside (the backend keeps them off and adds the deltas itself)."""
+    model.base_model.enable_adapter_layers()
+    try:
+        yield
+    finally:
+        model.base_model.disable_adapter_layers()
+
+
 def adapter_batch_seconds(
-    backend: EmbeddedBackend, adapter: Path, rounds: int, max_tokens: int
-) -> dict[str, float]:
-    """Seconds per batch of four agent prompts (no prefix cache), alternating: the base model;
-    one expert for every row, run as the backend runs such a batch (the adapter folded into
-    the base weights); the same with the adapter active (PEFT's separate low-rank path); and
-    the same rows through PEFT's mixed-batch split (``adapter_names``), which the backend
-    keeps for batches that really mix adapters."""
-    asyncio.run(backend.load_adapter("probe", adapter))
+    backend: EmbeddedBackend, adapters: list[Path], rounds: int, max_tokens: int
+) -> dict[str, Any]:
+    """Seconds per batch of four agent prompts (no prefix cache), alternating.
+
+    Through one expert: the base model; the expert folded into the base weights (as the
+    backend runs a batch with one adapter); the expert active (PEFT's separate low-rank
+    path); the same rows through PEFT's mixed-batch split (``adapter_names``); and through
+    the backend's stacked weights (:class:`LoraBatch`). Then a batch that really mixes
+    adapters, row i through ``adapters[i]`` or the base: PEFT's split against the stacks,
+    with the greedy tokens compared.
+    """
+    names = [f"probe{i}" for i in range(len(adapters))]
+    for name, path in zip(names, adapters, strict=True):
+        asyncio.run(backend.load_adapter(name, path))
     prompts = agent_prompts(backend, 4)
     tokens = backend.tokenizer(
         prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt"
     )
     greedy = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
     greedy.update(temperature=None, top_p=None, top_k=None, pad_token_id=backend.tokenizer.pad_token_id)
-    model = backend.model
-    model.set_adapter("probe", inference_mode=True)
+    model, stacks = backend.model, backend._batch
+    mixed = [None, *names][:4]
     runs = {
-        "base": lambda: model.disable_adapter(),
+        "base": contextlib.nullcontext,
         "folded": lambda: folded(model),
-        "active": contextlib.nullcontext,
-        "mixed_split": contextlib.nullcontext,
+        "active": lambda: peft_lora(model),
+        "mixed_split": lambda: peft_lora(model),
+        "stacked": lambda: stacks.routing(["probe0"] * 4),
+        "mix_split": lambda: peft_lora(model),
+        "mix_stacked": lambda: stacks.routing(mixed),
     }
-    times = dict.fromkeys(runs, 0.0)
+    split = {
+        "mixed_split": {"adapter_names": ["probe0"] * 4},
+        "mix_split": {"adapter_names": [name or "__base__" for name in mixed]},
+    }
+    times, replies = dict.fromkeys(runs, 0.0), {}
+    backend._fold(None)
+    model.set_adapter("probe0", inference_mode=True)
     for _ in range(rounds):
         for how, context in runs.items():
-            split = {"adapter_names": ["probe"] * 4} if how == "mixed_split" else {}
             start = time.perf_counter()
             with torch.inference_mode(), context():
-                model.generate(**tokens, **greedy, **split)
+                replies[how] = model.generate(**tokens, **greedy, **split.get(how, {})).tolist()
             times[how] += time.perf_counter() - start
-    asyncio.run(backend.unload_adapter("probe"))
-    return {how: t / rounds for how, t in times.items()}
+    for name in names:
+        asyncio.run(backend.unload_adapter(name))
+    new = [row[tokens.input_ids.shape[1] :] for row in replies["mix_split"]]
+    stacked = [row[tokens.input_ids.shape[1] :] for row in replies["mix_stacked"]]
+    return {
+        **{how: t / rounds for how, t in times.items()},
+        "mix_agreed": sum(map(common_length, new, stacked)),
+        "mix_total": sum(map(len, new)),
+    }
 
 
 def main() -> None:
@@ -510,8 +542,11 @@ def main() -> None:
     precision = precision_tokens_per_s(backend, rounds, max_tokens) if native else None
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        random_adapter(backend.model_dir, root / "probe", seed=4)
-        batch_s = adapter_batch_seconds(backend, root / "probe", rounds + 1, max_tokens)
+        # Mild adapters: at the default scale bf16 rounding alone flips greedy tokens.
+        probes = [
+            random_adapter(backend.model_dir, root / f"probe{i}", seed=4 + i, scale=4.0) for i in range(3)
+        ]
+        batch_s = adapter_batch_seconds(backend, probes, rounds + 1, max_tokens)
         for name, seed in (("refunds/1", 1), ("refunds/2", 2), ("refunds/3", 3), ("returns/1", 5)):
             random_adapter(backend.model_dir, root / name, seed=seed)
         recorder = Recorder(f"sqlite:///{root / 'bench.db'}")
@@ -568,6 +603,19 @@ def main() -> None:
     table.add_row("folded expert speedup over active", f"{batch_s['active'] / batch_s['folded']:.2f}×", "")
     table.add_row(
         "one-expert batch speedup over the split", f"{batch_s['mixed_split'] / batch_s['folded']:.2f}×", ""
+    )
+    table.add_row("4 agent prompts, one expert (stacked weights)", f"{batch_s['stacked']:.2f} s", "")
+    table.add_row("4 agent prompts, base + 3 experts (PEFT split)", f"{batch_s['mix_split']:.2f} s", "")
+    table.add_row(
+        "4 agent prompts, base + 3 experts (stacked weights)", f"{batch_s['mix_stacked']:.2f} s", ""
+    )
+    table.add_row(
+        "mixed batch speedup over the split", f"{batch_s['mix_split'] / batch_s['mix_stacked']:.2f}×", ""
+    )
+    table.add_row(
+        "  greedy tokens agreeing before the first divergence",
+        f"{batch_s['mix_agreed']} of {batch_s['mix_total']}",
+        "",
     )
     table.add_row("4 agent prompts, cached, decode attention", f"{attention_s['ours']:.2f} s", "")
     table.add_row("4 agent prompts, cached, SDPA's kernel", f"{attention_s['sdpa']:.2f} s", "")
@@ -627,6 +675,7 @@ def main() -> None:
                 "expert_batch_cost_ratio": round(batch_s["folded"] / batch_s["base"], 3),
                 "single_adapter_speedup": round(batch_s["mixed_split"] / batch_s["folded"], 3),
                 "fold_speedup": round(batch_s["active"] / batch_s["folded"], 3),
+                "mixed_batch_speedup": round(batch_s["mix_split"] / batch_s["mix_stacked"], 3),
                 "decode_attention_speedup": round(attention_s["sdpa"] / attention_s["ours"], 3),
                 "continuous_batching_speedup": round(continuous_s["static"] / continuous_s["continuous"], 3),
                 "continuous_batching_token_agreement": round(

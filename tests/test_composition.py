@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -241,6 +242,51 @@ def test_a_per_layer_gate_is_served_as_the_explicit_per_layer_sum(mixing):
     again = chat(mixing.url, "router:gate", "Hello there.").json()
     assert again["model"] == data["model"]  # the same layers: the same composed adapter
     assert chat(mixing.url, data["model"]).status_code == 400  # named by its router, not by a label
+
+
+def test_rows_through_different_adapters_in_one_batch_get_what_each_gets_alone(mixing, monkeypatch):
+    """A batch that really mixes adapters (two ranks, a composed mixture, the base) runs as
+    one forward pass through the stacked weights, never PEFT's per-adapter split, and each
+    row gets the log-probabilities it gets in a batch of its own (its adapter folded in)."""
+    from peft.tuners.lora import Linear
+
+    from trace_plugin.gateway.backend import SamplingParams
+
+    backend = mixing.backend
+    assert chat(mixing.url, "alpha:0.6,beta:0.4").status_code == 200  # composes and loads it
+    adapters = [None, *sorted(asyncio.run(backend.adapters()))]
+    assert len(adapters) >= 4
+    prompts = [
+        backend.render([{"role": "user", "content": f"Tell me about the number {i}."}], None)
+        for i in range(len(adapters))
+    ]
+    params = SamplingParams(max_tokens=12, logprobs=True)
+    split = []
+    monkeypatch.setattr(Linear, "_mixed_batch_forward", lambda *a, **k: split.append(1))
+    together = backend.generate_rows(prompts, adapters, params)
+    assert not split
+    for prompt, adapter, row in zip(prompts, adapters, together, strict=True):
+        alone = backend.generate_rows([prompt], [adapter], params)[0]
+        assert alone.token_ids == row.token_ids, adapter
+        assert max(abs(a - b) for a, b in zip(alone.logprobs, row.logprobs, strict=True)) < 1e-3
+    assert len({tuple(row.token_ids) for row in together}) == len(adapters)  # each really adapted
+
+
+def test_an_adapter_the_stacks_cannot_hold_is_refused_and_the_others_kept(mixing, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from trace_plugin.gateway.backend import BackendError
+    from trace_plugin.model_files import load_model
+
+    base, _ = load_model(mixing.backend.model_dir)
+    config = LoraConfig(r=4, target_modules=["q_proj"], use_dora=True, init_lora_weights=False)
+    get_peft_model(base, config).save_pretrained(tmp_path / "dora")
+    before = asyncio.run(mixing.backend.adapters())
+    with pytest.raises(BackendError, match="DoRA") as refused:
+        asyncio.run(mixing.backend.load_adapter("dora", tmp_path / "dora"))
+    assert refused.value.status == 400
+    assert asyncio.run(mixing.backend.adapters()) == before
+    assert chat(mixing.url, "alpha:0.5,beta:0.5").status_code == 200
 
 
 def test_a_mixture_is_composed_once_and_recorded_as_its_pairs(mixing):

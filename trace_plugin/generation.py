@@ -78,14 +78,9 @@ def until_eos(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
-def prefill(
-    model: Any, ids: Sequence[int], *, past: Layers | None = None, **model_kwargs: Any
-) -> tuple[Any, Any]:
+def prefill(model: Any, ids: Sequence[int], *, past: Layers | None = None) -> tuple[Any, Any]:
     """A ``DynamicCache`` holding the keys and values of ``past`` followed by ``ids`` (one
-    row), and the logits at its last position (the first reply token's distribution).
-
-    ``model_kwargs`` go to the forward pass (a PEFT mixed batch's ``adapter_names``).
-    """
+    row), and the logits at its last position (the first reply token's distribution)."""
     import torch
     from transformers import DynamicCache
 
@@ -95,7 +90,6 @@ def prefill(
         cache=cache,
         use_cache=True,
         logits_to_keep=1,
-        **model_kwargs,
     )
     return cache, out.logits[0, -1]
 
