@@ -28,6 +28,7 @@ def test_demo_measures_before_and_after_each_of_two_cycles_and_writes_its_report
     )
     monkeypatch.setitem(demo.PRESETS, "tiny", tiny)
     home, out = tmp_path / "home", tmp_path / "out"
+
     # Killed as its first cycle's improvement starts: the run before it is kept.
     def killed(self, **kwargs):
         raise KeyboardInterrupt
