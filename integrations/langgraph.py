@@ -46,13 +46,14 @@ class _Run:
 
     episode: ActiveEpisode
     is_root: bool
+    id: str  # the run id as stored, converted once: children store it as their parent's
+    parent_run_id: str | None
     kind: StepKind | None = None  # None: a run we only track to find its children's episode
     name: str = ""
     seq: int = 0
     input: Any = None
     tools: Any = None
     tool_call_id: str | None = None
-    parent_run_id: str | None = None
     started_at: Any = None
     t0: float = 0.0
 
@@ -85,7 +86,7 @@ class TraceCallbackHandler(BaseCallbackHandler):
     ) -> _Run:
         parent = self._runs.get(parent_run_id) if parent_run_id else None
         if parent is not None:
-            run = _Run(parent.episode, is_root=False)
+            run = _Run(parent.episode, False, str(run_id), parent.id)
         else:  # a root run, or one whose parent ran outside this capture
             meta = {k: v for k, v in (metadata or {}).items() if not k.startswith(("ls_", "langgraph_"))}
             episode = self.tracer.start_episode(
@@ -94,16 +95,13 @@ class TraceCallbackHandler(BaseCallbackHandler):
                 metadata=meta,
                 model=model,
             )
-            run = _Run(episode, is_root=True)
+            run = _Run(episode, True, str(run_id), str(parent_run_id) if parent_run_id else None)
         self._runs[run_id] = run
         return run
 
-    def _open_step(
-        self, run: _Run, kind: StepKind, name: str, parent_run_id: UUID | None, input: Any
-    ) -> None:
+    def _open_step(self, run: _Run, kind: StepKind, name: str, input: Any) -> None:
         run.kind, run.name, run.input = kind, name, input
         run.seq = run.episode.next_seq()
-        run.parent_run_id = str(parent_run_id) if parent_run_id else None
         run.started_at, run.t0 = utcnow(), time.perf_counter()
 
     def _close(
@@ -133,7 +131,7 @@ class TraceCallbackHandler(BaseCallbackHandler):
                     latency_ms=(time.perf_counter() - run.t0) * 1000,
                     started_at=run.started_at,
                     ended_at=utcnow(),
-                    run_id=str(run_id),
+                    run_id=run.id,
                     parent_run_id=run.parent_run_id,
                     tools=run.tools,
                     **extra,
@@ -146,6 +144,7 @@ class TraceCallbackHandler(BaseCallbackHandler):
                 self.tracer.end_episode(run.episode, error=error)
             else:
                 self.tracer.end_episode(run.episode, output=output, final_state=final_state)
+            _converted.clear()  # its messages are stored: kept, they would age into the oldest generation
 
     # -- chains and graph nodes ------------------------------------------------------------
 
@@ -163,7 +162,7 @@ class TraceCallbackHandler(BaseCallbackHandler):
         name = kwargs.get("name")
         if not run.is_root and metadata and name and metadata.get("langgraph_node") == name:
             # The input is the whole graph state, already in earlier steps: only updates are kept.
-            self._open_step(run, "node", name, parent_run_id, None)
+            self._open_step(run, "node", name, None)
 
     def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
         self._close(run_id, output=openai_json(outputs), final_state=outputs)
@@ -189,7 +188,7 @@ class TraceCallbackHandler(BaseCallbackHandler):
         if model and run.episode.model is None:
             run.episode.model = model
         tools = params.get("tools")
-        self._open_step(run, "llm", model or kwargs.get("name") or "chat_model", parent_run_id, None)
+        self._open_step(run, "llm", model or kwargs.get("name") or "chat_model", None)
         names = [_tool_name(t) for t in tools] if tools else []
         run.input = openai_json({"messages": messages[0] if messages else [], "tools": names})
         run.tools = tools or None
@@ -205,7 +204,7 @@ class TraceCallbackHandler(BaseCallbackHandler):
         **kwargs: Any,
     ) -> None:
         run = self._begin(run_id, parent_run_id, prompts, metadata)
-        self._open_step(run, "llm", kwargs.get("name") or "llm", parent_run_id, {"prompts": prompts})
+        self._open_step(run, "llm", kwargs.get("name") or "llm", {"prompts": prompts})
 
     def on_llm_end(self, response: LLMResult, *, run_id: UUID, **kwargs: Any) -> None:
         generation = response.generations[0][0] if response.generations and response.generations[0] else None
@@ -251,7 +250,7 @@ class TraceCallbackHandler(BaseCallbackHandler):
     ) -> None:
         run = self._begin(run_id, parent_run_id, inputs if inputs is not None else input_str, metadata)
         name = kwargs.get("name") or (serialized or {}).get("name") or "tool"
-        self._open_step(run, "tool", name, parent_run_id, inputs if inputs is not None else input_str)
+        self._open_step(run, "tool", name, inputs if inputs is not None else input_str)
         run.tool_call_id = kwargs.get("tool_call_id")
 
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
@@ -278,7 +277,7 @@ def message_to_openai(message: BaseMessage) -> dict[str, Any]:
     Leaner than ``convert_to_openai_messages`` (this runs for every recorded message);
     content is kept as LangChain holds it, a string or a list of blocks. A run's messages
     recur in many records (every LLM call's history, node updates, the final state), so
-    the last few hundred conversions are kept by identity and reused, read-only.
+    conversions are kept by identity and reused, read-only, until a root run ends.
     """
     hit = _converted.get(id(message))
     if hit is not None and hit[0] is message:  # the entry holds the message: its id is not reused
@@ -318,9 +317,15 @@ def _openai_default(value: Any) -> Any:
     if isinstance(value, BaseMessage):
         return message_to_openai(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):  # e.g. a Command update
-        fields = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
-        return {"__type__": type(value).__name__, **{k: v for k, v in fields if v is not None}}
+        names = _field_names.get(type(value))
+        if names is None:
+            names = _field_names[type(value)] = tuple(f.name for f in dataclasses.fields(value))
+        fields = {name: getattr(value, name) for name in names}
+        return {"__type__": type(value).__name__, **{k: v for k, v in fields.items() if v is not None}}
     raise TypeError(type(value).__qualname__)
+
+
+_field_names: dict[type, tuple[str, ...]] = {}
 
 
 def _tool_name(tool: Any) -> str:

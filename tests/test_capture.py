@@ -161,6 +161,19 @@ def test_caller_can_choose_the_episode_id(local_recorder):
     assert episode.id == "ticket-4711" and episode.metadata == {"team": "eu"}
 
 
+def test_a_finished_run_keeps_none_of_its_messages(local_recorder):
+    """Message conversions are reused within a run only: kept longer, the agent's messages
+    aged into the collector's oldest generation (bench/capture_overhead.py)."""
+    from integrations import langgraph
+
+    model = model_for(("get_order", {"order_id": "O-9"}))
+    graph = trace_plugin.capture(agent="forgets", recorder=local_recorder)(build("create_agent", model))
+    graph.invoke(user("where is O-9?"))
+    assert langgraph._converted == {}
+    [episode] = episodes_of(local_recorder)
+    assert [m["role"] for m in episode.output["messages"]] == ["user", "assistant", "tool", "assistant"]
+
+
 def test_decorator_on_a_builder_function_and_default_agent_name(local_recorder):
     @trace_plugin.capture(recorder=local_recorder)
     def support_bot():

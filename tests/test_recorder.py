@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 
@@ -14,6 +15,7 @@ from typing_extensions import TypedDict
 import trace_plugin
 from trace_plugin import Recorder, Store
 from trace_plugin.records.trajectory import Episode, EpisodeEnd, Step, new_id
+from trace_plugin.tracer import Tracer
 
 UNREACHABLE = "postgresql+psycopg://postgres@127.0.0.1:9/nowhere"
 
@@ -214,3 +216,32 @@ def test_the_writer_keeps_its_cadence_however_long_a_drain_takes(sqlite_url, mon
     finally:
         rec.close(5)
         rec.store.close()
+
+
+def test_queued_records_are_invisible_to_the_garbage_collector(sqlite_url):
+    """Records waiting for the writer are tuples of strings, numbers and datetimes, which the
+    collector stops tracking at its first pass. Queued as objects, they aged into the oldest
+    generation and set off full collections of a busy agent's heap (bench/capture_overhead.py)."""
+    rec = Recorder(sqlite_url, interval=3600)  # drains only when flushed
+    tracer = Tracer("gc-agent", recorder=rec)
+    active = tracer.start_episode({"messages": [{"role": "user", "content": "hi"}]}, metadata={"k": [1, 2]})
+    schema = {"type": "function", "function": {"name": "get_order", "parameters": {"type": "object"}}}
+    with tracer.step(active, "llm", "m", input={"messages": []}, tools=[schema]) as step:
+        step.output = {"role": "assistant", "content": "ok"}
+    with tracer.step(active, "tool", "get_order", input={"id": 1}) as step:
+        step.error = "ValueError: no such order"
+    tracer.end_episode(active, output={"answer": 42})
+
+    gc.collect()
+    queued = list(rec._queue)
+    assert len(queued) == 4 and not any(gc.is_tracked(item) for item in queued)
+
+    assert rec.flush(10)
+    episode = rec.store.get_episode(active.id)
+    assert episode.input == {"messages": [{"role": "user", "content": "hi"}]}
+    assert episode.metadata == {"k": [1, 2]}
+    assert episode.output == {"answer": 42} and episode.status == "completed"
+    llm, tool = episode.steps
+    assert llm.output == {"role": "assistant", "content": "ok"} and tool.error == "ValueError: no such order"
+    assert [s["function"]["name"] for s in rec.store.tool_schemas("gc-agent")] == ["get_order"]
+    rec.close()

@@ -166,27 +166,28 @@ def encode(
     return None if text is None else _bounded(text, max_bytes)
 
 
-def encode_now(value: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
-    """``value`` encoded on the spot if orjson alone can do it, else ``value`` itself.
+def encode_now(value: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> str | None:
+    """``value`` as bounded JSON text if orjson alone can encode it, else None.
 
     Capture calls this on the agent's thread, where it costs microseconds for a typical
-    payload (about a millisecond per megabyte). The queued record then holds one string
-    instead of the agent's objects: kept alive until the writer's next drain, those got
-    promoted to the oldest generation and made Python's collector rescan the whole heap
-    every few hundred runs. Whatever orjson refuses (a cycle, a foreign type) waits for
-    the writer's bounded walk. Not for payloads that must be redacted first.
+    payload (about a millisecond per megabyte), so the queued record holds one string
+    instead of the agent's objects. What orjson refuses (a cycle, a foreign type, a
+    lone surrogate) and any :class:`Lazy` value wait for the writer's bounded walk. Not
+    for payloads that must be redacted first.
     """
     if isinstance(value, Shaped):
-        raw, default = value.value, value.default
-    elif value is None or isinstance(value, Lazy | JsonText):
-        return value
+        raw, default, options = value.value, value.default, _ORJSON | orjson.OPT_PASSTHROUGH_DATACLASS
+    elif isinstance(value, JsonText):
+        return str(value)
+    elif isinstance(value, Lazy):
+        return None
     else:
-        raw, default = value, None
+        raw, default, options = value, None, _ORJSON
     try:
-        options = _ORJSON | (orjson.OPT_PASSTHROUGH_DATACLASS if default else 0)
-        return _bounded(orjson.dumps(raw, default=default, option=options).decode(), max_bytes)
-    except Exception:  # a refusal, or a default that failed: the writer tries again
-        return value
+        data = orjson.dumps(raw, default=default, option=options)
+    except Exception:  # a refusal, or a default that failed
+        return None
+    return data.decode() if len(data) <= max_bytes else str(_bounded(data.decode(), max_bytes))
 
 
 def _bounded(text: str, max_bytes: int) -> JsonText:

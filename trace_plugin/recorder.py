@@ -1,10 +1,11 @@
 """The recorder: moves capture records off the agent's threads and into the store.
 
-Capture calls :meth:`Recorder.submit`, which only appends to a bounded queue and never
-raises. One background thread encodes the records (JSON, truncation, redaction) and
-writes them in batches. When the database is down the thread holds its batch and
-retries; the queue fills and further records are dropped and counted, with one warning
-per outage, until writes succeed again.
+Capture calls :meth:`Recorder.submit`, which never raises: it encodes the record's
+payloads with orjson (microseconds), packs the record into a tuple of plain values and
+appends it to a bounded queue. One background thread writes the queue in batches, and
+encodes what submit left to it: payloads to redact, and values orjson refuses. When the
+database is down the thread holds its batch and retries; the queue fills and further
+records are dropped and counted, with one warning per outage, until writes succeed again.
 
 Every recorder with pending records is flushed when the interpreter exits and when the
 process gets SIGTERM (the stop signal of ``docker stop``, systemd and Kubernetes), whose
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -22,7 +24,9 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from types import FrameType
 from typing import Any
 
@@ -53,45 +57,117 @@ class PayloadPolicy:
 DEFAULT_POLICY = PayloadPolicy()
 
 
-def encode_now_in_place(record: Record, max_bytes: int) -> None:
-    """:func:`~trace_plugin.payload.encode_now` on a record's payload fields."""
-    if isinstance(record, Episode):
-        record.input = encode_now(record.input, max_bytes)
-        record.metadata = encode_now(record.metadata, max_bytes)
-    elif isinstance(record, Step):
-        record.input = encode_now(record.input, max_bytes)
-        record.output = encode_now(record.output, max_bytes)
-    elif isinstance(record, EpisodeEnd):
-        record.output = encode_now(record.output, max_bytes)
-
-
-def schemas_as_text(step: Step) -> None:
-    """A step's tool schemas as JSON text, whatever the policy (schemas are never redacted
-    or cut). Each LLM call offers new dicts; held until the writer's next drain they were
-    promoted by the collector and rescanned: about a tenth of a zero-latency agent's time."""
-    if step.tools:
-        with contextlib.suppress(TypeError):  # not plain JSON: the store hashes the dicts
-            step.tools = [JsonText(orjson.dumps(schema).decode()) for schema in step.tools]
+# Each record type's JSON payload fields, and its plain-text fields bounded like them.
+_JSON_FIELDS: dict[type, tuple[str, ...]] = {
+    Episode: ("input", "output", "metadata"),
+    Step: ("input", "output", "token_ids"),
+    EpisodeEnd: ("output",),
+    Feedback: (),
+}
+_TEXT_FIELDS: dict[type, tuple[str, ...]] = {
+    Episode: ("error",),
+    Step: ("error",),
+    EpisodeEnd: ("error",),
+    Feedback: ("comment",),
+}
 
 
 def encode_record(record: Record, policy: PayloadPolicy) -> Record:
     """Encode a record's payload fields in place; it belongs to the recorder by now."""
     size, redact = policy.max_bytes, policy.redact
-    if isinstance(record, Episode):
-        record.input = encode(record.input, max_bytes=size, redact=redact)
-        record.output = encode(record.output, max_bytes=size, redact=redact)
-        record.metadata = encode(record.metadata or {}, max_bytes=size, redact=redact)
-    elif isinstance(record, Step):
-        record.input = encode(record.input, max_bytes=size, redact=redact)
-        record.output = encode(record.output, max_bytes=size, redact=redact)
-        record.token_ids = encode(record.token_ids, max_bytes=size)
-    elif isinstance(record, EpisodeEnd):
-        record.output = encode(record.output, max_bytes=size, redact=redact)
-    elif isinstance(record, Feedback):
-        record.comment = clip_text(record.comment, size, redact)
-    if isinstance(record, Episode | Step | EpisodeEnd):
-        record.error = clip_text(record.error, size, redact)
+    for name in _JSON_FIELDS[type(record)]:
+        setattr(record, name, encode(getattr(record, name), max_bytes=size, redact=redact))
+    for name in _TEXT_FIELDS[type(record)]:
+        setattr(record, name, clip_text(getattr(record, name), size, redact))
     return record
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where a record type's fields sit in its packed tuple (see :func:`pack`)."""
+
+    tag: int
+    cls: type
+    values: Callable[[Any], tuple[Any, ...]]
+    json_at: tuple[int, ...]
+    text_at: tuple[int, ...]
+    tools_at: int | None
+
+
+def _layouts() -> dict[type, _Layout]:
+    layouts = {}
+    for tag, cls in enumerate(_JSON_FIELDS):
+        # An Episode's steps travel as records of their own; it is the last field.
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "steps"]
+        layouts[cls] = _Layout(
+            tag,
+            cls,
+            attrgetter(*names),
+            tuple(names.index(n) for n in _JSON_FIELDS[cls]),
+            tuple(names.index(n) for n in _TEXT_FIELDS[cls]),
+            names.index("tools") if "tools" in names else None,
+        )
+    return layouts
+
+
+_LAYOUTS = _layouts()
+_BY_TAG = list(_LAYOUTS.values())
+_SCHEMA_SEPARATOR = "\n"  # never in orjson's compact output: newlines in strings are escaped
+
+
+def pack(record: Record, max_bytes: int) -> tuple[Any, ...] | None:
+    """``record`` encoded as a tuple of strings, numbers and datetimes, or None if orjson
+    refuses a payload (the writer's bounded walk then takes the record as it is).
+
+    The garbage collector stops tracking such a tuple at its first pass. Queued records
+    did not get that: they wait a fraction of a second for the writer, long enough to be
+    promoted to the oldest generation, and with a zero-latency agent those promotions
+    set off a full collection of the agent's heap every few hundred runs.
+    """
+    layout = _LAYOUTS[type(record)]
+    values = list(layout.values(record))
+    for i in layout.json_at:
+        if values[i] is not None:
+            text = encode_now(values[i], max_bytes)
+            if text is None:
+                return None
+            values[i] = text
+    for i in layout.text_at:
+        if values[i] is not None:
+            values[i] = clip_text(values[i], max_bytes)
+    tools = values[layout.tools_at] if layout.tools_at is not None else None
+    if tools:  # never redacted or cut; one string, as a nested tuple is untracked only later
+        try:
+            values[layout.tools_at] = _SCHEMA_SEPARATOR.join(
+                [orjson.dumps(schema).decode() for schema in tools]
+            )
+        except TypeError:  # not plain JSON: the store hashes the dicts
+            return None
+    return (layout.tag, *values)
+
+
+def unpack(packed: tuple[Any, ...]) -> Record:
+    """The record :func:`pack` made ``packed`` from, its payloads as :class:`JsonText`."""
+    layout = _BY_TAG[packed[0]]
+    values = list(packed[1:])
+    for i in layout.json_at:
+        if values[i] is not None:
+            values[i] = JsonText(values[i])
+    if layout.tools_at is not None and values[layout.tools_at]:
+        values[layout.tools_at] = [
+            JsonText(schema) for schema in values[layout.tools_at].split(_SCHEMA_SEPARATOR)
+        ]
+    return layout.cls(*values)
+
+
+class _Unencoded:
+    """A queued record whose payloads wait for the writer: to be redacted, or not plain JSON."""
+
+    __slots__ = ("record", "policy")
+
+    def __init__(self, record: Record, policy: PayloadPolicy) -> None:
+        self.record = record
+        self.policy = policy
 
 
 class _Flush:
@@ -132,7 +208,6 @@ class Recorder:
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
         self._schema_ready = False
         self._outage: str | None = None
         _live.add(self)
@@ -146,11 +221,9 @@ class Recorder:
             if len(self._queue) >= self.max_queue:
                 self._count_drop(1, queue_full=True)
             else:
-                if policy.redact is None:  # a redactor must see every string: the writer encodes those
-                    encode_now_in_place(record, policy.max_bytes)
-                if isinstance(record, Step):
-                    schemas_as_text(record)
-                self._queue.append((record, policy))
+                # A redactor must see every string: the writer encodes those records.
+                packed = pack(record, policy.max_bytes) if policy.redact is None else None
+                self._queue.append(packed if packed is not None else _Unencoded(record, policy))
         except Exception:  # capture must never break the agent
             self._count_drop(1)
             log.exception("trace-plugin: could not queue a record")
@@ -187,19 +260,22 @@ class Recorder:
         return flushed
 
     def _ensure_thread(self) -> None:
-        if self._thread is not None and self._pid == os.getpid():
+        if self._thread is not None:
             return
         with self._lock:
-            if self._thread is not None and self._pid == os.getpid():
+            if self._thread is not None:
                 return
-            if self._pid != os.getpid():  # forked child: the parent's thread, queue and
-                self._pid = os.getpid()  # connections are not ours
-                self._queue = deque()
-                self.store.engine.dispose(close=False)
             thread = threading.Thread(target=self._run, name="trace-plugin-writer", daemon=True)
             thread.start()
             self._thread = thread
         install_term_handler()
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child has none of its parent's threads; the queue and connections are not its own."""
+        self._thread = None
+        self._queue = deque()
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+        self.store.engine.dispose(close=False)
 
     def _count_drop(self, n: int, *, queue_full: bool = False) -> None:
         """Count dropped records; the queue filling up is the one cause not logged where it happens."""
@@ -245,19 +321,23 @@ class Recorder:
             for marker in markers:
                 marker.done.set()
 
-    def _store_batch(self, batch: list[tuple[Record, PayloadPolicy]]) -> None:
+    def _store_batch(self, batch: list[tuple[Any, ...] | _Unencoded]) -> None:
         records = self._encode(batch)
         if records:
             self._write_until_stored(records)
 
-    def _encode(self, batch: list[tuple[Record, PayloadPolicy]]) -> list[Record]:
+    def _encode(self, batch: list[tuple[Any, ...] | _Unencoded]) -> list[Record]:
         records = []
-        for record, policy in batch:
+        for item in batch:
             try:
-                records.append(encode_record(record, policy))
+                if isinstance(item, _Unencoded):
+                    records.append(encode_record(item.record, item.policy))
+                else:
+                    records.append(unpack(item))
             except Exception:
                 self._count_drop(1)
-                log.exception("trace-plugin: could not encode a %s record", type(record).__name__)
+                kind = type(item.record).__name__ if isinstance(item, _Unencoded) else "packed"
+                log.exception("trace-plugin: could not encode a %s record", kind)
         return records
 
     def _write_until_stored(self, records: list[Record]) -> None:
@@ -410,6 +490,14 @@ def install_term_handler() -> None:
 
     with contextlib.suppress(ValueError, OSError):  # not the main interpreter, or no signals here
         signal.signal(signal.SIGTERM, on_term)
+
+
+def _after_fork_in_child() -> None:
+    for recorder in list(_live):
+        recorder._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register

@@ -655,9 +655,12 @@ def _json_value(value: Any) -> str | None:
 
 
 def _sqlite_datetime(value: datetime | None) -> str | None:
-    return (
-        None if value is None else value.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
-    )
+    """SQLAlchemy's SQLite format: naive UTC with microseconds (the offset cut off the end)."""
+    if value is None:
+        return None
+    if value.tzinfo is not UTC:
+        value = value.astimezone(UTC)
+    return value.isoformat(" ", "microseconds")[:-6]
 
 
 def _to_row(record: Any, columns: tuple[str, ...]) -> dict[str, Any]:
