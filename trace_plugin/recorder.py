@@ -97,8 +97,9 @@ class _Layout:
 def _layouts() -> dict[type, _Layout]:
     layouts = {}
     for tag, cls in enumerate(_JSON_FIELDS):
-        # An Episode's steps travel as records of their own; it is the last field.
-        names = [f.name for f in dataclasses.fields(cls) if f.name != "steps"]
+        names = [f.name for f in dataclasses.fields(cls)]
+        if names[-1] == "steps":  # an Episode's steps travel as records of their own
+            names.pop()
         layouts[cls] = _Layout(
             tag,
             cls,
