@@ -337,8 +337,8 @@ class Recorder:
                     records.append(unpack(item))
             except Exception:
                 self._count_drop(1)
-                kind = type(item.record).__name__ if isinstance(item, _Unencoded) else "packed"
-                log.exception("trace-plugin: could not encode a %s record", kind)
+                cls = type(item.record) if isinstance(item, _Unencoded) else _BY_TAG[item[0]].cls
+                log.exception("trace-plugin: could not encode a %s record", cls.__name__)
         return records
 
     def _write_until_stored(self, records: list[Record]) -> None:

@@ -86,6 +86,10 @@ class Episode:
     metadata: dict[str, Any] = field(default_factory=dict)
     steps: list[Step] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if self.metadata is None:  # no metadata, stored and read back as the default's {}
+            self.metadata = {}
+
 
 @dataclass(slots=True)
 class EpisodeEnd:
