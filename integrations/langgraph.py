@@ -2,8 +2,10 @@
 
 A :class:`TraceCallbackHandler` turns LangChain run events into tracer calls: each root
 run becomes an episode, LLM and tool runs become steps paired by ``run_id``, and graph
-nodes become ``node`` steps. It reaches a graph either bound to it with ``with_config``
-(the decorator) or through a configure hook while a ``with capture(...)`` block is active.
+nodes become ``node`` steps, except a node whose update is nothing but what its own model
+and tool steps returned (``create_agent``'s model and tools nodes): those steps are its
+record. The handler reaches a graph either bound to it with ``with_config`` (the
+decorator) or through a configure hook while a ``with capture(...)`` block is active.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from langchain_core.outputs import ChatGeneration, LLMResult
 from langchain_core.runnables import Runnable
 from langchain_core.runnables.config import var_child_runnable_config
 from langchain_core.tracers.context import register_configure_hook
+from langgraph.types import Command
 
 from trace_plugin.capture import register_framework
 from trace_plugin.conversations import served_by
@@ -56,6 +59,8 @@ class _Run:
     tool_call_id: str | None = None
     started_at: Any = None
     t0: float = 0.0
+    node: _Run | None = None  # the graph node this run executes in
+    returned: dict[int, Any] | None = None  # a node's: what its model and tool steps returned, by id
 
 
 class TraceCallbackHandler(BaseCallbackHandler):
@@ -86,7 +91,8 @@ class TraceCallbackHandler(BaseCallbackHandler):
     ) -> _Run:
         parent = self._runs.get(parent_run_id) if parent_run_id else None
         if parent is not None:
-            run = _Run(parent.episode, False, str(run_id), parent.id)
+            node = parent if parent.kind == "node" else parent.node
+            run = _Run(parent.episode, False, str(run_id), parent.id, node=node)
         else:  # a root run, or one whose parent ran outside this capture
             meta = {k: v for k, v in (metadata or {}).items() if not k.startswith(("ls_", "langgraph_"))}
             episode = self.tracer.start_episode(
@@ -163,8 +169,12 @@ class TraceCallbackHandler(BaseCallbackHandler):
         if not run.is_root and metadata and name and metadata.get("langgraph_node") == name:
             # The input is the whole graph state, already in earlier steps: only updates are kept.
             self._open_step(run, "node", name, None)
+            run.returned = {}
 
     def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        run = self._runs.get(run_id)
+        if run is not None and run.returned and _repeats(outputs, run.returned):
+            run.kind = None  # its model and tool steps hold all it says: a step of its own costs time only
         self._close(run_id, output=openai_json(outputs), final_state=outputs)
 
     def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
@@ -211,6 +221,7 @@ class TraceCallbackHandler(BaseCallbackHandler):
         usage: dict[str, Any] = {}
         if isinstance(generation, ChatGeneration):
             final: Any = generation.message
+            self._returned(run_id, final)
             output: Any = openai_json(final)
             usage = getattr(final, "usage_metadata", None) or {}
             self._note_serving(run_id, (final.response_metadata or {}).get("system_fingerprint"))
@@ -224,6 +235,12 @@ class TraceCallbackHandler(BaseCallbackHandler):
             prompt_tokens=usage.get("input_tokens") or token_usage.get("prompt_tokens"),
             completion_tokens=usage.get("output_tokens") or token_usage.get("completion_tokens"),
         )
+
+    def _returned(self, run_id: UUID, value: Any) -> None:
+        """Note, for the node this run executes in, a value its step returned."""
+        run = self._runs.get(run_id)
+        if run is not None and run.node is not None:
+            run.node.returned[id(value)] = value  # held, so no other object can take its id meanwhile
 
     def _note_serving(self, run_id: UUID, system_fingerprint: str | None) -> None:
         """Behind our gateway, the answer names the adapter and router version that served it."""
@@ -254,6 +271,7 @@ class TraceCallbackHandler(BaseCallbackHandler):
         run.tool_call_id = kwargs.get("tool_call_id")
 
     def on_tool_end(self, output: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        self._returned(run_id, output)
         error = None
         if isinstance(output, ToolMessage):
             run = self._runs.get(run_id)
@@ -266,6 +284,23 @@ class TraceCallbackHandler(BaseCallbackHandler):
 
     def on_tool_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
         self._close(run_id, error=error)
+
+
+def _repeats(update: Any, returned: dict[int, Any]) -> bool:
+    """Whether a node's update holds nothing but messages its own model and tool steps returned:
+    ``{"messages": [...]}``, or a list of such updates or of ``Command``s that only update."""
+    updates = update if type(update) is list else [update]
+    for one in updates:
+        if type(one) is Command:
+            if one.goto != () or one.graph is not None or one.resume is not None:
+                return False
+            one = one.update
+        messages = one.get("messages") if type(one) is dict and len(one) == 1 else None
+        if type(messages) is not list or not messages:
+            return False
+        if not all(returned.get(id(m)) is m for m in messages):
+            return False
+    return bool(updates)
 
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool", "function": "function"}

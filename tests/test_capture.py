@@ -33,9 +33,11 @@ def test_invoke_records_one_episode_with_ordered_steps(kind, recorder):
     [episode] = episodes_of(recorder)
     assert episode.agent == "support" and episode.status == "completed"
     assert episode.source == "langgraph" and episode.model == "scripted"
-    assert [s.seq for s in episode.steps] == list(range(len(episode.steps)))
+    seqs = [s.seq for s in episode.steps]  # start order; a node that only repeats its steps has none
+    assert seqs == sorted(set(seqs))
     kinds = [s.kind for s in episode.steps]
-    assert kinds.count("llm") == 2 and kinds.count("tool") == 2 and "node" in kinds
+    # The agent's model and tools nodes update the state with what their steps returned: no node steps.
+    assert sorted(kinds) == ["llm", "llm", "tool", "tool"]
     first_llm = next(s for s in episode.steps if s.kind == "llm")
     assert first_llm.input["messages"] == [{"role": "user", "content": "where is O-17?"}]
     assert first_llm.input["tools"][:2] == ["get_order", "find_user"]
@@ -47,6 +49,47 @@ def test_invoke_records_one_episode_with_ordered_steps(kind, recorder):
         "get_order",
         "find_user",
     }
+
+
+def test_a_node_step_is_kept_when_its_update_says_more_than_its_model_step(local_recorder):
+    from langchain_core.messages import AIMessage
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    class State(MessagesState):
+        note: str
+
+    model = model_for()  # answers at once
+
+    def plan(state: State) -> dict:  # its model's reply, and a key of its own
+        return {"messages": [model.invoke(state["messages"])], "note": "planned"}
+
+    def wrap(state: State) -> dict:  # only its model's reply: the LLM step is its record
+        return {"messages": [model.invoke(state["messages"])]}
+
+    def greet(state: State) -> dict:  # a message no step of its own returned
+        return {"messages": [AIMessage("hello")]}
+
+    graph = StateGraph(State)
+    for name, node in (("plan", plan), ("wrap", wrap), ("greet", greet)):
+        graph.add_node(name, node)
+    graph.add_edge(START, "plan")
+    graph.add_edge("plan", "wrap")
+    graph.add_edge("wrap", "greet")
+    graph.add_edge("greet", END)
+    trace_plugin.capture(agent="nodes", recorder=local_recorder)(graph.compile()).invoke(user("hi"))
+
+    [episode] = episodes_of(local_recorder, "nodes")
+    # In start order; "wrap" took number 2 and has no step: its LLM step (3) is its record.
+    assert [(s.seq, s.kind, s.name) for s in episode.steps] == [
+        (0, "node", "plan"),
+        (1, "llm", "scripted"),
+        (3, "llm", "scripted"),
+        (4, "node", "greet"),
+    ]
+    plan_step, plan_llm, _, greet_step = episode.steps
+    assert plan_step.output["note"] == "planned" and plan_step.output["messages"] == [plan_llm.output]
+    assert plan_llm.parent_run_id == plan_step.run_id
+    assert greet_step.output == {"messages": [{"role": "assistant", "content": "hello"}]}
 
 
 def test_parallel_tool_calls_are_paired_by_call_id_not_position(local_recorder):
@@ -227,7 +270,8 @@ def _assert_separated(episodes, n):
         order_id = episode.input["messages"][0][1]
         [tool] = tool_steps(episode)
         assert tool.input == {"order_id": order_id}, "a step landed in another run's episode"
-        assert [s.seq for s in episode.steps] == list(range(len(episode.steps)))
+        seqs = [s.seq for s in episode.steps]
+        assert seqs == sorted(set(seqs))
         assert episode.output["messages"][-1]["content"].endswith(f"order {order_id} is pending")
 
 

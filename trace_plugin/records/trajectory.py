@@ -43,7 +43,8 @@ def utcnow() -> datetime:
 
 @dataclass(slots=True)
 class Step:
-    """One event inside an episode; ``seq`` orders steps by their start."""
+    """One event inside an episode; ``seq`` orders steps by their start. A number can be
+    missing: LangGraph capture stores no step for a node that only repeats its own steps."""
 
     episode_id: str
     seq: int
