@@ -251,6 +251,32 @@ def test_resampling_finds_signal_on_a_fresh_seed(tokenizer):
     assert "My number is 4." in tokenizer.decode(out["prompt_ids"][0])
 
 
+def test_a_steps_groups_play_in_one_batch(tokenizer):
+    config = ExpertTrainingConfig(num_generations=2, groups_per_step=3, rollout_budget=6, hint_fraction=0.5)
+    player = EpisodePlayer(tokenizer, EchoEnv, max_turns=3, max_observation_chars=100)
+    # Only the hinted rollout of each group solves its task: every group has signal.
+    policy = scripted(
+        tokenizer, lambda text: echo_policy(text) if "Hint:" in text or "<tool_response>" in text else "No."
+    )
+    batches: list[int] = []
+
+    def counted(prompts: list[list[int]]) -> list[list[int]]:
+        batches.append(len(prompts))
+        return policy(prompts)
+
+    rollouts = RolloutFunction(
+        config, player, seeds=[1, 2, 3], hint="Echo it.", generate=lambda trainer: nullcontext(counted)
+    )
+    seeds = [1, 1, 2, 2, 3, 3]  # as TRL hands them over: each group's prompt num_generations times
+    step = SimpleNamespace(state=SimpleNamespace(global_step=0))
+    out = rollouts([json.dumps({"seed": s}) for s in seeds], step)
+    # One generate call per turn for all three groups: six calls or answers, then the three hinted answers.
+    assert batches == [6, 3]
+    assert out["env_reward"] == [1.0, 0.0] * 3
+    for seed, prompt in zip(seeds, out["prompt_ids"], strict=True):  # each rollout stays in its group
+        assert f"My number is {seed}." in tokenizer.decode(prompt)
+
+
 def test_presets_build_the_right_grpo_configs(tmp_path):
     cpu = ExpertTrainingConfig.preset("cpu-small", output_dir=str(tmp_path / "e"))
     args = cpu.grpo_config(tmp_path / "work")
