@@ -174,7 +174,8 @@ class TraceCallbackHandler(BaseCallbackHandler):
     def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
         run = self._runs.get(run_id)
         if run is not None and run.returned and _repeats(outputs, run.returned):
-            run.kind = None  # its model and tool steps hold all it says: a step of its own costs time only
+            del self._runs[run_id]  # its model and tool steps hold all it says: a step would cost time only
+            return
         self._close(run_id, output=openai_json(outputs), final_state=outputs)
 
     def on_chain_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:

@@ -347,7 +347,8 @@ class RolloutFunction:
 
     def _play_groups(self, seeds: list[int], rng: random.Random, generate: Generate) -> list[list[Rollout]]:
         """One group per seed, all played in one lockstep batch: a generate call per turn for
-        the whole step, not per group (on a GPU a call costs about the same for 8 rows or 64)."""
+        the whole step, not per group. On a GPU a small model's decode step costs its kernel
+        launches whatever the rows; played one group after another, a step took minutes."""
         size, hints = self.config.num_generations, []
         for seed in seeds:
             hint = None
