@@ -20,7 +20,14 @@ finished. Stages run most informative first and are skipped (null) when they wou
 in ``--deadline-s``; a training run that would overrun its share stops early (at a whole
 step) and says so.
 
-    python scripts/gpu_budget_check.py [--model DIR] [--budget N] [--out DIR] [--deadline-s S] [--quick]
+``--shape improver`` trains each run as the CPU does instead (the ``cpu-small`` preset: one
+group of 4 rollouts a step, so a budget buys optimizer steps, not bigger groups): the expert
+with the demo's improver's settings (``trace_plugin.demo.EXPERT_TRAINING``: three turns of
+48 tokens), GRPO on the target with the agent's horizon, as ``bench/improvement.py`` trains
+both; snapshots at 24 and 48 rollouts (the demo's budget per expert, the bench's for GRPO).
+
+    python scripts/gpu_budget_check.py [--model DIR] [--budget N] [--out DIR] [--deadline-s S]
+                                       [--shape gpu|improver] [--runs NAME ...] [--quick]
 
 The last line printed is one JSON object, ``{"bench": "gpu_budget", ...}``.
 """
@@ -54,17 +61,18 @@ from trace_plugin.improver.config import HELD_OUT_SEEDS, TRAINING_SEEDS  # noqa:
 
 # -- the one place for this run's settings ----------------------------------------------------------
 
-# ExpertTrainingConfig.preset("gpu", **TRAINING) for both runs (plus rollout_budget, snapshots,
-# precision and output_dir, set per run). The LoRA and learning rate are the cpu-small preset's,
-# the horizon the support agent's as served (bench/improvement.py: RETAIL_TURNS, RETAIL_TOKENS).
+# The support agent's horizon as served (bench/improvement.py: RETAIL_TURNS, RETAIL_TOKENS).
+RETAIL_HORIZON = {"max_turns": 6, "max_completion_length": 96}
+# --shape gpu: ExpertTrainingConfig.preset("gpu", **TRAINING) for both runs (plus rollout_budget,
+# snapshots, precision and output_dir, set per run). The LoRA and learning rate are the cpu-small
+# preset's, the horizon the support agent's as served (RETAIL_HORIZON).
 TRAINING: dict[str, Any] = {
     "backend": "transformers",
     "gradient_checkpointing": False,
     "share_prompt": True,
     "num_generations": 8,
     "groups_per_step": 4,
-    "max_completion_length": 96,
-    "max_turns": 6,
+    **RETAIL_HORIZON,
     "max_observation_chars": 800,
     "lora_rank": 8,
     "lora_alpha": 16,
@@ -74,7 +82,7 @@ TRAINING: dict[str, Any] = {
     "hint_fraction": 0.5,
     "checkpoint_every": 1_000_000,  # one device call: nothing to resume from
 }
-SNAPSHOT_ROLLOUTS = (32, 128)  # besides the whole budget
+SNAPSHOT_ROLLOUTS = {"gpu": (32, 128), "improver": (24, 48)}  # besides the whole budget
 BUDGET = 512
 TEST_TASKS = 48  # bench/improvement.py's default preset: list(TEST_SEEDS)[:48], six per retail kind
 HELD_OUT = 32  # the improver's held-out seeds of a synthesized environment: HELD_OUT_SEEDS[:n]
@@ -94,6 +102,7 @@ QUICK = {
     },
     "deadline_s": 1200.0,
 }
+RUNS = ("tool_call_format", "grpo_target")  # in the order they train
 EVAL_MARGIN = 1.5  # an adapter's episodes run longer than the base model's: its evaluation's time, estimated
 
 
@@ -179,6 +188,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, help=f"rollouts per training run (default {BUDGET})")
     parser.add_argument("--out", type=Path, default=Path("bench-out/gpu-budget"))
     parser.add_argument("--deadline-s", type=float, help=f"wall-time cap (default {DEADLINE_S:.0f})")
+    parser.add_argument("--shape", choices=("gpu", "improver"), default="gpu", help="how each run trains")
+    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS), help="the training runs")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a CPU smoke run")
     args = parser.parse_args()
 
@@ -199,19 +210,33 @@ def main() -> None:
     model = resolve_model(args.model)
     scratch = Path(tempfile.mkdtemp(prefix="gpu-budget-"))  # adapters: never under --out
 
-    settings = {**TRAINING, **(QUICK["training"] if args.quick else {})}
-    settings["precision"] = "bfloat16" if cuda else "auto"
-    per_step = settings["num_generations"] * settings["groups_per_step"]
-    trained = budget // per_step * per_step  # whole steps
-    candidates = (*(QUICK["snapshots"] if args.quick else SNAPSHOT_ROLLOUTS), trained)
-    snapshots = tuple(sorted({r for r in candidates if r % per_step == 0 and per_step <= r <= trained}))
+    quick = QUICK["training"] if args.quick else {}
+    if args.shape == "gpu":
+        preset, settings = "gpu", dict(TRAINING)
+        per_run: dict[str, dict[str, Any]] = {name: {} for name in RUNS}
+    else:
+        from trace_plugin.demo import EXPERT_TRAINING
 
-    def config(name: str) -> Any:
+        preset, settings = "cpu-small", {"checkpoint_every": 1_000_000}
+        per_run = {"tool_call_format": EXPERT_TRAINING, "grpo_target": {**EXPERT_TRAINING, **RETAIL_HORIZON}}
+    settings["precision"] = "bfloat16" if cuda else "auto"
+
+    def config(name: str, **overrides: Any) -> Any:
         return ExpertTrainingConfig.preset(
-            "gpu", **settings, rollout_budget=budget, snapshots=snapshots, output_dir=str(scratch / name)
+            preset,
+            **{**settings, **per_run.get(name, {}), **overrides, **quick},
+            rollout_budget=budget,
+            snapshots=snapshots,
+            output_dir=str(scratch / name),
         )
 
-    base_config = config("base")
+    snapshots: tuple[int, ...] = ()
+    # Evaluations play every environment with the agent's horizon, whatever the run trained with.
+    base_config = config("base", **RETAIL_HORIZON)
+    per_step = base_config.num_generations * base_config.groups_per_step
+    trained = budget // per_step * per_step  # whole steps
+    candidates = (*(QUICK["snapshots"] if args.quick else SNAPSHOT_ROLLOUTS[args.shape]), trained)
+    snapshots = tuple(sorted({r for r in candidates if r % per_step == 0 and per_step <= r <= trained}))
     spec = synthesize("tool_call_format", TOOLS, system_prompt=POLICY)  # as scripts/gpu_train_check.py
     examples = few_shot()
     test_seeds = list(TEST_SEEDS)[:n_test]  # bench/improvement.py: list(TEST_SEEDS)[: preset.test_tasks]
@@ -228,10 +253,12 @@ def main() -> None:
         "tool_call_format": (lambda: SpecEnv(spec), list(TRAINING_SEEDS), worked_example(spec) or spec.hint),
         "grpo_target": (RetailEnv, list(TRAIN_SEEDS), None),
     }
+    runs = {name: runs[name] for name in RUNS if name in args.runs}
     device = torch.cuda.get_device_name(0) if cuda else "cpu"
     run.summary.update(
         {
             "quick": args.quick,
+            "shape": args.shape,
             "device": device,
             "torch": torch.__version__,
             "model": str(model),
@@ -240,14 +267,17 @@ def main() -> None:
             "n_test_tasks": len(test_seeds),
             "n_held_out": len(held_seeds),
             "deadline_s": deadline,
-            "config": base_config.to_dict() | {"output_dir": None},
+            "config": {name: config(name).to_dict() | {"output_dir": None} for name in runs},
             # Every training run's prompts and every evaluation's: the support agent's few-shot.
             "examples": "examples/support_agent/agent.py FEW_SHOT (improver.examples())",
             "models": {},
             "training": {},
         }
     )
-    console.rule(f"rollout-budget ablation on {device}: {budget} rollouts a run, snapshots {list(snapshots)}")
+    console.rule(
+        f"rollout-budget ablation on {device}, {args.shape} shape: {budget} rollouts a run, "
+        f"snapshots {list(snapshots)}"
+    )
     console.print_json(json.dumps(run.summary["config"]))
     console.print(
         f"retail test tasks {len(test_seeds)} ({test_seeds[0]}…), tool_call_format held-out seeds "
@@ -326,7 +356,7 @@ def main() -> None:
             "hint": "worked_example" if hint else None,
             "steps": result.steps,
             "rollouts": done,  # trained on: whole steps
-            "rollouts_played": int(done + resampled * settings["num_generations"]),  # with resampled groups
+            "rollouts_played": int(done + resampled * base_config.num_generations),  # with resampled groups
             "stopped_early": deadline_cb.stopped,
             "seconds": round(seconds, 1),  # model load and adapter saves included
             "rollouts_per_s": round(done / seconds, 3),
@@ -360,12 +390,11 @@ def main() -> None:
 
     both = ("retail", "tool_call_format")
     evaluate_model("base", None, 0, both)
-    expert = train("tool_call_format", runs_left=2)
-    evaluate_snapshots("tool_call_format", expert, ("tool_call_format", "retail"))
-    target = train("grpo_target", runs_left=1)
-    evaluate_snapshots("grpo_target", target, both)
+    orders = {"tool_call_format": ("tool_call_format", "retail"), "grpo_target": both}
+    for i, name in enumerate(runs):
+        evaluate_snapshots(name, train(name, runs_left=len(runs) - i), orders[name])
 
-    table = Table(title=f"Rollout budget ({budget} a run) on {device}: greedy success")
+    table = Table(title=f"Rollout budget ({budget} a run, {args.shape} shape) on {device}: greedy success")
     for column in (
         "model",
         "rollouts",
@@ -391,6 +420,7 @@ def main() -> None:
     flat = {
         "bench": "gpu_budget",
         "quick": args.quick,
+        "shape": args.shape,
         "device": device,
         "rollout_budget": budget,
         "n_test_tasks": len(test_seeds),

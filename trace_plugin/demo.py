@@ -47,6 +47,10 @@ from trace_plugin.store import Store, data_dir
 
 AGENT = "support-agent"
 EVAL_AGENT = f"eval:{AGENT}"
+# How the demo's improver trains its experts, on top of the cpu-small preset. Half the rollouts
+# see a worked example: the base model rarely calls a tool without one. A lookup takes a call
+# and an answer: three turns of 48 tokens are plenty.
+EXPERT_TRAINING: dict[str, Any] = {"hint_fraction": 0.5, "max_turns": 3, "max_completion_length": 48}
 
 
 class DemoError(TracePluginError):
@@ -184,15 +188,7 @@ class SupportStack:
                 calibration_seeds=preset.calibration_seeds,
                 calibration_samples=preset.calibration_samples,
                 calibration_attempts=preset.calibration_attempts,
-                # Half the rollouts see a worked example: the base model rarely calls a tool without one.
-                # A lookup takes a call and an answer: three turns of 48 tokens are plenty.
-                training={
-                    "rollout_budget": preset.rollouts,
-                    "hint_fraction": 0.5,
-                    "max_turns": 3,
-                    "max_completion_length": 48,
-                    "precision": self.precision,
-                },
+                training={"rollout_budget": preset.rollouts, **EXPERT_TRAINING, "precision": self.precision},
                 eval_seeds=preset.eval_seeds,
             ),
             evaluator=self.evaluate,
