@@ -97,20 +97,27 @@ class Overhead(NamedTuple):
 def overhead(
     latency: float, runs: int, blocks: int, recorder: Recorder, *, dispatch: bool = False
 ) -> Overhead:
-    """Alternate undecorated, decorated and (``dispatch``) empty-handler blocks."""
-    plain = make_agent(latency)
-    decorated = trace_plugin.capture(agent=f"bench-{latency}", recorder=recorder)(make_agent(latency))
-    empty = make_agent(latency).with_config(callbacks=[EmptyHandler()]) if dispatch else None
-    time_runs(plain, 5, None)  # warm every path (imports, first compile)
-    time_runs(decorated, 5, recorder)
-    t_plain = t_decorated = t_empty = 0.0
-    per_block = max(1, runs // blocks)
-    for _ in range(blocks):
-        t_plain += time_runs(plain, per_block, None)
-        t_decorated += time_runs(decorated, per_block, recorder)
-        if empty is not None:
-            t_empty += time_runs(empty, per_block, None)
-    return Overhead(t_plain, t_decorated, t_empty if empty is not None else None)
+    """Alternate undecorated, decorated and (``dispatch``) empty-handler blocks, each block
+    starting with the next of them in turn, so that no variant always follows the same one
+    (the decorated block ends by draining the recorder, which the next block would inherit)."""
+    variants: dict[str, tuple[Any, Recorder | None]] = {
+        "plain": (make_agent(latency), None),
+        "decorated": (
+            trace_plugin.capture(agent=f"bench-{latency}", recorder=recorder)(make_agent(latency)),
+            recorder,
+        ),
+    }
+    if dispatch:
+        variants["empty"] = (make_agent(latency).with_config(callbacks=[EmptyHandler()]), None)
+    time_runs(variants["plain"][0], 5, None)  # warm every path (imports, first compile)
+    time_runs(variants["decorated"][0], 5, recorder)
+    seconds = dict.fromkeys(variants, 0.0)
+    names, per_block = list(variants), max(1, runs // blocks)
+    for block in range(blocks):
+        for name in names[block % len(names) :] + names[: block % len(names)]:
+            graph, drained = variants[name]
+            seconds[name] += time_runs(graph, per_block, drained)
+    return Overhead(seconds["plain"], seconds["decorated"], seconds.get("empty"))
 
 
 def events_per_second(url: str, n_steps: int) -> tuple[float, int]:
@@ -221,13 +228,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.kill9_child:
         return kill9_child(args.kill9_child)
-    runs_fast, runs_slow, n_events = (150, 20, 20_000) if args.quick else (1_000, 500, 200_000)
+    runs_fast, runs_slow, n_events = (150, 20, 20_000) if args.quick else (3_000, 500, 200_000)
     console = Console()
 
     with tempfile.TemporaryDirectory() as tmp:
         recorder = Recorder(f"sqlite:///{Path(tmp) / 'bench.db'}")
         recorder.store.upgrade()
-        fast = overhead(0.0, runs_fast, 10, recorder, dispatch=True)
+        fast = overhead(0.0, runs_fast, max(3, runs_fast // 100), recorder, dispatch=True)
         slow = overhead(0.05, runs_slow, 5, recorder)
         expected_runs = runs_fast + runs_slow + 10  # + 2 × 5 warm-up runs
         agent_lost = expected_runs * EVENTS_PER_RUN - count_events(recorder)
