@@ -221,7 +221,7 @@ def main() -> None:
         per_run = {"tool_call_format": EXPERT_TRAINING, "grpo_target": {**EXPERT_TRAINING, **RETAIL_HORIZON}}
     settings["precision"] = "bfloat16" if cuda else "auto"
 
-    def config(name: str, **overrides: Any) -> Any:
+    def config(name: str, snapshots: tuple[int, ...] = (), **overrides: Any) -> Any:
         return ExpertTrainingConfig.preset(
             preset,
             **{**settings, **per_run.get(name, {}), **overrides, **quick},
@@ -230,7 +230,6 @@ def main() -> None:
             output_dir=str(scratch / name),
         )
 
-    snapshots: tuple[int, ...] = ()
     # Evaluations play every environment with the agent's horizon, whatever the run trained with.
     base_config = config("base", **RETAIL_HORIZON)
     per_step = base_config.num_generations * base_config.groups_per_step
@@ -267,7 +266,7 @@ def main() -> None:
             "n_test_tasks": len(test_seeds),
             "n_held_out": len(held_seeds),
             "deadline_s": deadline,
-            "config": {name: config(name).to_dict() | {"output_dir": None} for name in runs},
+            "config": {name: config(name, snapshots).to_dict() | {"output_dir": None} for name in runs},
             # Every training run's prompts and every evaluation's: the support agent's few-shot.
             "examples": "examples/support_agent/agent.py FEW_SHOT (improver.examples())",
             "models": {},
@@ -340,7 +339,7 @@ def main() -> None:
         deadline_cb = Deadline(time.monotonic() + share)
         started = time.monotonic()
         result = ExpertTrainer(
-            config(name),
+            config(name, snapshots),
             factory,
             seeds,
             model=model,
