@@ -11,13 +11,13 @@ decorator) or through a configure hook while a ``with capture(...)`` block is ac
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
+import orjson
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, LLMResult
@@ -73,10 +73,12 @@ class TraceCallbackHandler(BaseCallbackHandler):
 
     def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer
-        self._runs: dict[UUID, _Run] = {}
+        # Keyed by the run id's integer: a UUID hashes in Python, and each run is looked up
+        # a few times per callback.
+        self._runs: dict[int, _Run] = {}
 
     def episode_id_of(self, run_id: UUID | None) -> str | None:
-        run = self._runs.get(run_id) if run_id is not None else None
+        run = self._runs.get(run_id.int) if run_id is not None else None
         return run.episode.id if run else None
 
     # -- run bookkeeping -----------------------------------------------------------------
@@ -89,7 +91,7 @@ class TraceCallbackHandler(BaseCallbackHandler):
         metadata: dict[str, Any] | None,
         model: str | None = None,
     ) -> _Run:
-        parent = self._runs.get(parent_run_id) if parent_run_id else None
+        parent = self._runs.get(parent_run_id.int) if parent_run_id else None
         if parent is not None:
             node = parent if parent.kind == "node" else parent.node
             run = _Run(parent.episode, False, str(run_id), parent.id, node=node)
@@ -102,7 +104,7 @@ class TraceCallbackHandler(BaseCallbackHandler):
                 model=model,
             )
             run = _Run(episode, True, str(run_id), str(parent_run_id) if parent_run_id else None)
-        self._runs[run_id] = run
+        self._runs[run_id.int] = run
         return run
 
     def _open_step(self, run: _Run, kind: StepKind, name: str, input: Any) -> None:
@@ -118,7 +120,7 @@ class TraceCallbackHandler(BaseCallbackHandler):
         final_state: Any = None,
         **extra: Any,
     ) -> None:
-        run = self._runs.pop(run_id, None)
+        run = self._runs.pop(run_id.int, None)
         if run is None:
             return
         if run.kind is not None:
@@ -172,9 +174,9 @@ class TraceCallbackHandler(BaseCallbackHandler):
             run.returned = {}
 
     def on_chain_end(self, outputs: Any, *, run_id: UUID, **kwargs: Any) -> None:
-        run = self._runs.get(run_id)
+        run = self._runs.get(run_id.int)
         if run is not None and run.returned and _repeats(outputs, run.returned):
-            del self._runs[run_id]  # its model and tool steps hold all it says: a step would cost time only
+            del self._runs[run_id.int]  # its model and tool steps hold all it says: a step costs time only
             return
         self._close(run_id, output=openai_json(outputs), final_state=outputs)
 
@@ -239,14 +241,14 @@ class TraceCallbackHandler(BaseCallbackHandler):
 
     def _returned(self, run_id: UUID, value: Any) -> None:
         """Note, for the node this run executes in, a value its step returned."""
-        run = self._runs.get(run_id)
+        run = self._runs.get(run_id.int)
         if run is not None and run.node is not None:
             run.node.returned[id(value)] = value  # held, so no other object can take its id meanwhile
 
     def _note_serving(self, run_id: UUID, system_fingerprint: str | None) -> None:
         """Behind our gateway, the answer names the adapter and router version that served it."""
         served = served_by(system_fingerprint)
-        run = self._runs.get(run_id)
+        run = self._runs.get(run_id.int)
         if served is not None and run is not None:
             run.episode.router, run.episode.adapter = served
 
@@ -275,7 +277,7 @@ class TraceCallbackHandler(BaseCallbackHandler):
         self._returned(run_id, output)
         error = None
         if isinstance(output, ToolMessage):
-            run = self._runs.get(run_id)
+            run = self._runs.get(run_id.int)
             if run is not None and run.tool_call_id is None:
                 run.tool_call_id = output.tool_call_id
             if output.status == "error":  # a ToolException handled by the tool itself
@@ -328,7 +330,7 @@ def message_to_openai(message: BaseMessage) -> dict[str, Any]:
             {
                 "id": call.get("id"),
                 "type": "function",
-                "function": {"name": call["name"], "arguments": json.dumps(call.get("args", {}))},
+                "function": {"name": call["name"], "arguments": _arguments(call.get("args", {}))},
             }
             for call in tool_calls
         ]
@@ -341,6 +343,11 @@ def message_to_openai(message: BaseMessage) -> dict[str, Any]:
 
 
 _converted: dict[int, tuple[BaseMessage, dict[str, Any]]] = {}
+
+
+def _arguments(args: Any) -> str:
+    """A tool call's arguments as OpenAI's JSON string (orjson: compact, and a tenth of ``json``'s time)."""
+    return orjson.dumps(args, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
 def openai_json(value: Any) -> Shaped:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import func, insert, select
@@ -60,6 +61,26 @@ def test_round_trip_and_queries(db_url):
     assert store.get_episode(runs[1][0].id).label == "success"
     assert {s.agent: s for s in store.stats()}["a"].successes == 2
     store.close()
+
+
+def test_a_tool_offered_in_two_batches_links_its_episode_once(db_url):
+    store = Store(db_url)
+    store.upgrade()
+    episode, llm, tool, end = make_run("a", 1.0)
+    store.write([episode, llm])
+    store.write([Step(episode.id, 2, "llm", "m", input={"messages": []}, tools=[TOOL]), tool, end])
+    assert store.count("episode_tools") == 1 and store.tool_schemas("a") == [TOOL]
+    assert [s.seq for s in store.get_episode(episode.id).steps] == [0, 1, 2]
+    store.close()
+
+
+def test_new_episode_ids_sort_by_creation_time():
+    """Time-ordered ids append to the indexes keyed by episode instead of scattering over them."""
+    first = new_id()
+    time.sleep(0.002)  # the next millisecond
+    later = [new_id() for _ in range(1_000)]
+    assert all(first < i for i in later) and len(set(later)) == len(later)
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in later)
 
 
 def test_postgres_url_gets_psycopg3():

@@ -109,6 +109,24 @@ def _fitter(length: int | None) -> Callable[[Any], str | None]:
     return fit
 
 
+@functools.cache
+def _column_fitter(length: int | None) -> Callable[[Sequence[Any]], Sequence[str | None]]:
+    """:func:`fit_string` over a whole column: one pass of C-level checks when every value
+    is a short, clean ASCII ``str`` (almost always), else value by value."""
+    fit = _fitter(length)
+
+    def fit_column(values: Sequence[Any]) -> Sequence[str | None]:
+        present = list(filter(None, values))  # None and "" need no fitting
+        if set(map(type, present)) <= {str}:
+            joined = "".join(present)
+            short = length is None or max(map(len, present), default=0) <= length
+            if short and joined.isascii() and "\x00" not in joined:
+                return values
+        return list(map(fit, values))
+
+    return fit_column
+
+
 def _aware(value: datetime | None) -> datetime | None:
     """SQLite returns naive datetimes; everything we write is UTC."""
     if value is not None and value.tzinfo is None:
@@ -219,10 +237,10 @@ class Store:
                 for h in sorted(new)
             ]
             conn.execute(self._insert_ignore(t.tool_schemas), rows)
-        conn.execute(
-            self._insert_ignore(t.episode_tools),
-            [{"episode_id": _fit(t.episode_tools.c.episode_id, e), "tool_hash": h} for e, h in sorted(links)],
-        )
+        episode_ids, hashes = zip(*sorted(links), strict=True)
+        episode_ids = _column_fitter(t.episode_tools.c.episode_id.type.length)(episode_ids)
+        sql = self._insert_sql(t.episode_tools, ("episode_id", "tool_hash"), ignore_conflicts=True)
+        conn.exec_driver_sql(sql, list(zip(episode_ids, hashes, strict=True)))
         return new
 
     def _hash_of(self, schema: dict[str, Any] | str) -> str:
@@ -256,28 +274,34 @@ class Store:
         about five times the insert itself on SQLite. Values are stored exactly as
         SQLAlchemy would store them, so reads through it see no difference.
         """
-        placeholder = "?" if self.engine.dialect.paramstyle == "qmark" else "%s"
-        values = ", ".join([placeholder] * len(columns))
-        sql = f"INSERT INTO {table.name} ({', '.join(columns)}) VALUES ({values})"
-        # Column by column: one attrgetter call per record, then each converter mapped
-        # over its column, a third of the cost of converting row by row.
+        sql = self._insert_sql(table, columns)
+        # Column by column: one attrgetter call per record, then each column converted
+        # whole, a fraction of the cost of converting row by row.
         by_column = list(zip(*map(attrgetter(*columns), records), strict=True))
         for i, name in enumerate(columns):
             convert = self._converter(table.c[name].type)
             if convert is not None:
-                by_column[i] = map(convert, by_column[i])
+                by_column[i] = convert(by_column[i])
         conn.exec_driver_sql(sql, list(zip(*by_column, strict=True)))
 
-    def _converter(self, column_type: Any) -> Any:
-        """JSON columns take our JSON text (psycopg sends strings untyped, so it lands in
-        jsonb as is); SQLite datetimes take SQLAlchemy's storage format, naive UTC; strings
-        are fitted to their column (:func:`fit_string`)."""
+    def _insert_sql(self, table: t.Table, columns: tuple[str, ...], *, ignore_conflicts: bool = False) -> str:
+        """The driver-level INSERT of ``columns`` (SQLite and PostgreSQL share the syntax)."""
+        placeholder = "?" if self.engine.dialect.paramstyle == "qmark" else "%s"
+        values = ", ".join([placeholder] * len(columns))
+        sql = f"INSERT INTO {table.name} ({', '.join(columns)}) VALUES ({values})"
+        return sql + " ON CONFLICT DO NOTHING" if ignore_conflicts else sql
+
+    def _converter(self, column_type: Any) -> Callable[[Sequence[Any]], Sequence[Any]] | None:
+        """A column's values as the driver takes them. JSON columns take our JSON text
+        (psycopg sends strings untyped, so it lands in jsonb as is); SQLite datetimes take
+        SQLAlchemy's storage format, naive UTC; strings are fitted to their column
+        (:func:`fit_string`)."""
         if isinstance(column_type, t.JSON):
-            return _json_value
+            return _json_column
         if isinstance(column_type, t.DateTime) and self.dialect == "sqlite":
-            return _sqlite_datetime
+            return _sqlite_datetime_column
         if isinstance(column_type, t.String):
-            return _fitter(column_type.length)
+            return _column_fitter(column_type.length)
         return None
 
     def _insert_ignore(self, table: t.Table) -> Any:
@@ -650,17 +674,14 @@ _JOB_COLUMNS = _columns(t.jobs, Job)
 _DEPLOYMENT_COLUMNS = _columns(t.deployments, Deployment)
 
 
-def _json_value(value: Any) -> str | None:
-    return None if value is None else json_for_store(value)
+def _json_column(values: Sequence[Any]) -> list[str | None]:
+    return [None if v is None else json_for_store(v) for v in values]
 
 
-def _sqlite_datetime(value: datetime | None) -> str | None:
+def _sqlite_datetime_column(values: Sequence[datetime | None]) -> list[str | None]:
     """SQLAlchemy's SQLite format: naive UTC with microseconds (the offset cut off the end)."""
-    if value is None:
-        return None
-    if value.tzinfo is not UTC:
-        value = value.astimezone(UTC)
-    return value.isoformat(" ", "microseconds")[:-6]
+    utc = (v if v is None or v.tzinfo is UTC else v.astimezone(UTC) for v in values)
+    return [None if v is None else v.isoformat(" ", "microseconds")[:-6] for v in utc]
 
 
 def _to_row(record: Any, columns: tuple[str, ...]) -> dict[str, Any]:
