@@ -38,7 +38,7 @@ from sqlalchemy import create_engine, text
 import trace_plugin
 from integrations.scripted_chat_model import ScriptedChatModel, call_tools_then_answer
 from trace_plugin import Recorder
-from trace_plugin.records.trajectory import Episode, EpisodeEnd, Step, new_id
+from trace_plugin.records.trajectory import Episode, EpisodeEnd, Step, new_episode_id
 
 EVENTS_PER_RUN = 5  # the episode, 2 LLM calls, 2 tool calls (the graph nodes only repeat them)
 
@@ -128,7 +128,7 @@ def events_per_second(url: str, n_steps: int) -> tuple[float, int]:
     records = []
     for _ in range(n_steps // 10):
         episode = Episode(
-            id=new_id(), agent="throughput", input={"messages": [{"role": "user", "content": "hi"}]}
+            id=new_episode_id(), agent="throughput", input={"messages": [{"role": "user", "content": "hi"}]}
         )
         records.append(episode)
         for seq in range(10):

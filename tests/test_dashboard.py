@@ -21,7 +21,7 @@ from trace_plugin import Store
 from trace_plugin.dashboard import create_dashboard
 from trace_plugin.gateway.server import RunningServer, start_in_thread
 from trace_plugin.records.capability import Capability
-from trace_plugin.records.trajectory import Episode, EpisodeEnd, Feedback, Step, new_id
+from trace_plugin.records.trajectory import Episode, EpisodeEnd, Feedback, Step, new_episode_id, new_id
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
 SCRIPT = "<script>window.__pwned = 1</script>"
@@ -212,6 +212,18 @@ def test_pagination_keeps_the_filters(sqlite_url: str) -> None:
     assert 'href="/episodes?agent=many&amp;page=2"' in last
     # Newest first across pages: the last row of the last page is the oldest episode.
     assert last.rstrip().count("2026-03-01 00:00:00") == 1
+    store.close()
+
+
+def test_episodes_minted_in_one_moment_stay_apart_on_the_page(sqlite_url: str) -> None:
+    """Episode ids begin with their timestamp: the list shows their ends, which differ."""
+    store = Store(sqlite_url)
+    store.upgrade()
+    ids = [new_episode_id() for _ in range(3)]
+    store.write([Episode(i, "burst", started_at=T0) for i in ids])
+    page = TestClient(create_dashboard(store)).get("/episodes", params={"agent": "burst"}).text
+    shown = re.findall(r'<a href="/episodes/[^"]+"><code>([^<]+)</code>', page)
+    assert sorted(shown) == sorted(i[-12:] for i in ids) and len(set(shown)) == 3
     store.close()
 
 

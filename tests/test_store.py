@@ -8,9 +8,10 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import func, insert, select
 
-from trace_plugin import Store
-from trace_plugin.records.trajectory import Episode, EpisodeEnd, Feedback, Step, new_id
+from trace_plugin import Recorder, Store
+from trace_plugin.records.trajectory import Episode, EpisodeEnd, Feedback, Step, new_episode_id, new_id
 from trace_plugin.store import resolve_url, tables
+from trace_plugin.tracer import Tracer
 
 TOOL = {"type": "function", "function": {"name": "get_order", "parameters": {"type": "object"}}}
 
@@ -74,13 +75,17 @@ def test_a_tool_offered_in_two_batches_links_its_episode_once(db_url):
     store.close()
 
 
-def test_new_episode_ids_sort_by_creation_time():
+def test_new_episode_ids_sort_by_creation_time(sqlite_url):
     """Time-ordered ids append to the indexes keyed by episode instead of scattering over them."""
-    first = new_id()
+    first = new_episode_id()
     time.sleep(0.002)  # the next millisecond
-    later = [new_id() for _ in range(1_000)]
+    later = [new_episode_id() for _ in range(1_000)]
     assert all(first < i for i in later) and len(set(later)) == len(later)
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in later)
+    recorder = Recorder(sqlite_url)
+    minted = Tracer("ids", recorder=recorder).start_episode().id  # capture mints them
+    assert abs(int(minted[:12], 16) - time.time() * 1000) < 60_000
+    recorder.close()
 
 
 def test_postgres_url_gets_psycopg3():

@@ -25,7 +25,7 @@ from trace_plugin.records.trajectory import (
     Step,
     StepKind,
     check_agent_name,
-    new_id,
+    new_episode_id,
     utcnow,
 )
 
@@ -87,7 +87,7 @@ class Tracer:
         router: str | None = None,
     ) -> ActiveEpisode:
         episode = Episode(
-            id=new_id() if episode_id in (None, "") else str(episode_id),
+            id=new_episode_id() if episode_id in (None, "") else str(episode_id),
             agent=self.agent,
             source=self.source,
             input=input,

@@ -115,7 +115,7 @@ def env_factory(
 def chat_player(base_url: str, model: str, *, agent: str, temperature: float = 1.0, **options: Any) -> Play:
     """Plays calibration episodes through an OpenAI-compatible endpoint (our gateway, vLLM)."""
     from trace_plugin.environments.runner import ChatLoopAgent
-    from trace_plugin.records.trajectory import new_id
+    from trace_plugin.records.trajectory import new_episode_id
 
     examples = list(options.pop("examples", ()))
 
@@ -130,7 +130,7 @@ def chat_player(base_url: str, model: str, *, agent: str, temperature: float = 1
             **options,
         )
         try:
-            answer = await loop.solve(env, env.task, new_id())
+            answer = await loop.solve(env, env.task, new_episode_id())
         except Exception:  # a failed call scores like a failed episode
             answer = ""
         return env.reward(answer).total

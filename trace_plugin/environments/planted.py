@@ -17,7 +17,7 @@ from trace_plugin.environments import Task, ToolCall
 from trace_plugin.environments.retail import TOOLS, RetailEnv
 from trace_plugin.mining.kinds import KINDS
 from trace_plugin.records.outcome import graded_label
-from trace_plugin.records.trajectory import Episode, Step, new_id
+from trace_plugin.records.trajectory import Episode, Step, new_episode_id
 
 REFUSALS = ("refuse_cancel", "refuse_return")
 Plan = tuple[list[dict[str, Any]], list[str], str]  # calls, broken assistant texts, final answer
@@ -124,7 +124,7 @@ def episode(policy: str, seed: int) -> Episode:
     reply = {"role": "assistant", "content": answer}
     reward = env.reward(answer).total
     record = Episode(
-        id=new_id(),
+        id=new_episode_id(),
         agent="planted",
         source="planted",
         status="completed",

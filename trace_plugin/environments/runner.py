@@ -36,7 +36,7 @@ from trace_plugin.environments.base import (
 )
 from trace_plugin.recorder import Recorder, default_recorder
 from trace_plugin.records.outcome import graded_label, reward_succeeds
-from trace_plugin.records.trajectory import Feedback, new_id
+from trace_plugin.records.trajectory import Feedback, new_episode_id
 from trace_plugin.tracer import Tracer
 
 
@@ -227,7 +227,7 @@ class Runner:
     async def _episode(self, seed: int) -> EpisodeResult:
         env = self.env_factory()
         task = env.reset(seed)
-        episode_id = new_id()
+        episode_id = new_episode_id()
         answer, error = "", None
         try:
             answer = await self.agent.solve(env, task, episode_id)

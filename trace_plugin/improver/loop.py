@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -34,7 +35,7 @@ from trace_plugin.records.deployment import Deployment
 from trace_plugin.records.env_spec import EnvSpec
 from trace_plugin.records.expert import Expert
 from trace_plugin.records.job import Job, job_id
-from trace_plugin.records.trajectory import new_id, utcnow
+from trace_plugin.records.trajectory import utcnow
 from trace_plugin.store import Store
 from trace_plugin.store.lease import Lease, LeaseHeld
 from training.config import ExpertTrainingConfig
@@ -109,7 +110,7 @@ class Improver:
         if running:
             self.console.log(f"resuming cycle {running[-1].cycle}")
             return running[-1].cycle
-        cycle = utcnow().strftime("%Y%m%d%H%M%S") + "-" + new_id()[:6]
+        cycle = utcnow().strftime("%Y%m%d%H%M%S") + "-" + secrets.token_hex(3)
         self.store.save_job(Job(self.config.agent, cycle, "cycle", "all"))
         return cycle
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -34,11 +35,18 @@ def check_agent_name(agent: Any) -> str:
 
 
 def new_id() -> str:
-    """A fresh episode id: chosen by the client, so callers know it before it is stored.
+    """A fresh random id: chosen by the client, so callers know it before it is stored."""
+    return uuid.uuid4().hex
 
-    32 hex digits, like a UUID's, but time-ordered (milliseconds since the epoch, then 80
-    random bits, as in UUIDv7): new episodes land at the end of every index keyed by
-    episode, where random ids scattered each batch's inserts over the whole index.
+
+def new_episode_id() -> str:
+    """A fresh episode id: 32 hex digits like :func:`new_id`'s, but time-ordered
+    (milliseconds since the epoch, then 80 random bits, as in UUIDv7).
+
+    Every capture source mints one per run, and the store indexes steps and links by it:
+    new episodes land at the end of those indexes, where random ids scattered each
+    batch's inserts over them. Its first digits are a timestamp: show its end, not its
+    start, where a few characters must tell episodes apart.
     """
     return f"{time.time_ns() // 1_000_000:012x}{os.urandom(10).hex()}"
 

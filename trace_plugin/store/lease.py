@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import socket
 import threading
 from datetime import timedelta
@@ -20,7 +21,7 @@ from typing import Any
 from sqlalchemy import or_, select, text
 
 from trace_plugin.errors import TracePluginError
-from trace_plugin.records.trajectory import new_id, utcnow
+from trace_plugin.records.trajectory import utcnow
 from trace_plugin.store import tables as t
 from trace_plugin.store.store import Store
 
@@ -32,7 +33,7 @@ class LeaseHeld(TracePluginError, RuntimeError):
 class Lease:
     def __init__(self, store: Store, name: str, *, ttl: float = 30.0) -> None:
         self.store, self.name, self.ttl = store, name, ttl
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{new_id()[:8]}"
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._conn: Any = None
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
