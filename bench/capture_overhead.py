@@ -5,7 +5,8 @@ Side by side in one run:
   decorated, in alternating blocks, with a zero-latency model and with 50 ms latency.
   The decorated time includes draining the recorder's queue, so no work hides in a backlog.
   With the zero-latency model a third block binds an empty callback handler: what
-  LangChain's callback dispatch costs on its own, before any capture work;
+  LangChain's callback dispatch costs on its own, before any capture work. Each ratio comes
+  with a 95% interval from resampling its blocks: what this run's own noise allows;
 - sustained events/s from the recorder into SQLite and into PostgreSQL;
 - events lost anywhere in the run (expected against stored rows);
 - the kill -9 window: an agent process capturing flat out is killed with SIGKILL, and the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -83,15 +85,37 @@ class EmptyHandler(BaseCallbackHandler):
 
 
 class Overhead(NamedTuple):
-    """Seconds for the same runs undecorated, decorated and (if timed) with an empty handler."""
+    """Each block's seconds undecorated and decorated, and (if timed) the empty handler's in all."""
 
-    plain: float
-    decorated: float
-    dispatch: float | None = None
+    blocks: tuple[tuple[float, float], ...]
+    dispatch: float | None
+
+    @property
+    def plain(self) -> float:
+        return sum(plain for plain, _ in self.blocks)
+
+    @property
+    def decorated(self) -> float:
+        return sum(decorated for _, decorated in self.blocks)
 
     @property
     def ratio(self) -> float:
         return self.decorated / self.plain
+
+    def ratio_interval(self, resamples: int = 2_000, seed: int = 0) -> tuple[float, float]:
+        """A 95% bootstrap interval of :attr:`ratio`, resampling blocks.
+
+        The machine's speed drifts from block to block by far more than capture costs, and
+        the k-th blocks of both variants ran one after the other, under the same drift: they
+        are resampled as pairs.
+        """
+        rng = random.Random(seed)
+        ratios = []
+        for _ in range(resamples):
+            sample = rng.choices(self.blocks, k=len(self.blocks))
+            ratios.append(sum(d for _, d in sample) / sum(p for p, _ in sample))
+        ratios.sort()
+        return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
 
 
 def overhead(
@@ -111,13 +135,14 @@ def overhead(
         variants["empty"] = (make_agent(latency).with_config(callbacks=[EmptyHandler()]), None)
     time_runs(variants["plain"][0], 5, None)  # warm every path (imports, first compile)
     time_runs(variants["decorated"][0], 5, recorder)
-    seconds = dict.fromkeys(variants, 0.0)
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
     names, per_block = list(variants), max(1, runs // blocks)
     for block in range(blocks):
         for name in names[block % len(names) :] + names[: block % len(names)]:
             graph, drained = variants[name]
-            seconds[name] += time_runs(graph, per_block, drained)
-    return Overhead(seconds["plain"], seconds["decorated"], seconds.get("empty"))
+            seconds[name].append(time_runs(graph, per_block, drained))
+    blocks_seconds = tuple(zip(seconds["plain"], seconds["decorated"], strict=True))
+    return Overhead(blocks_seconds, sum(seconds["empty"]) if dispatch else None)
 
 
 def events_per_second(url: str, n_steps: int) -> tuple[float, int]:
@@ -253,13 +278,15 @@ def main() -> None:
 
     lost = agent_lost + sqlite_lost + pg_lost
     table = Table(title="Capture overhead: decorated vs undecorated, same agent, same run")
-    for col in ("model latency", "runs", "undecorated s", "decorated s", "ratio", "target"):
+    for col in ("model latency", "runs", "undecorated s", "decorated s", "ratio (95% CI)", "target"):
         table.add_column(col, justify="right")
+    intervals = {}
     for label, runs, timed, target in (
         ("0 ms", runs_fast, fast, "≤ 1.10"),
         ("50 ms", runs_slow, slow, "≤ 1.01"),
     ):
-        cells = (f"{timed.plain:.2f}", f"{timed.decorated:.2f}", f"{timed.ratio:.3f}")
+        low, high = intervals[label] = timed.ratio_interval()
+        cells = (f"{timed.plain:.2f}", f"{timed.decorated:.2f}", f"{timed.ratio:.3f} ({low:.3f}–{high:.3f})")
         table.add_row(label, str(runs), *cells, target)
     console.print(table)
     dispatch_only, beyond = fast.dispatch / fast.plain, fast.decorated / fast.dispatch
@@ -290,6 +317,8 @@ def main() -> None:
                 "bench": "capture_overhead",
                 "quick": args.quick,
                 "ratio_zero_latency": round(fast.ratio, 4),
+                "ratio_zero_latency_ci_low": round(intervals["0 ms"][0], 4),
+                "ratio_zero_latency_ci_high": round(intervals["0 ms"][1], 4),
                 "ratio_50ms": round(slow.ratio, 4),
                 "ratio_dispatch_only": round(dispatch_only, 4),
                 "ratio_beyond_dispatch": round(beyond, 4),
