@@ -105,9 +105,9 @@ class Overhead(NamedTuple):
     def ratio_interval(self, resamples: int = 2_000, seed: int = 0) -> tuple[float, float]:
         """A 95% bootstrap interval of :attr:`ratio`, resampling blocks.
 
-        The machine's speed drifts from block to block by far more than capture costs, and
-        the k-th blocks of both variants ran one after the other, under the same drift: they
-        are resampled as pairs.
+        The machine's speed drifts from block to block by as much as capture costs, and the
+        k-th blocks of both variants ran in the same round, under the same drift: they are
+        resampled as pairs.
         """
         rng = random.Random(seed)
         ratios = []
