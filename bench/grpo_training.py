@@ -167,7 +167,7 @@ def generation(reps: int) -> dict:
     from integrations.langgraph import message_to_openai
     from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
     from trace_plugin.model_files import load_model, resolve_model
-    from training.experts import EpisodePlayer, hf_generate
+    from training.episodes import EpisodePlayer, hf_generate
 
     model, tokenizer = load_model(resolve_model(), precision="float32")  # where the tokens must agree
     model.eval()

@@ -12,7 +12,13 @@ from training.experts import file_sha256
 
 pytestmark = pytest.mark.slow
 
-TINY = {"num_generations": 2, "rollout_budget": 2, "max_completion_length": 8, "max_turns": 1}
+TINY = {
+    "num_generations": 2,
+    "rollout_budget": 2,
+    "max_completion_length": 8,
+    "max_turns": 1,
+    "warm_start_plays": 0,
+}
 
 
 def jobs(tmp_path, capabilities):

@@ -20,18 +20,10 @@ from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall
 from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
 from trace_plugin.generation import TemperatureSampler, folded, shared_prefix_length
 from trace_plugin.model_files import prepare_tokenizer, resolve_model
-from training.experts import (
-    ADAPTER_WEIGHTS,
-    EpisodePlayer,
-    ExpertTrainer,
-    ExpertTrainingConfig,
-    RolloutFunction,
-    evaluate,
-    file_sha256,
-    hf_generate,
-    weights_sha256,
-)
-from training.lora import is_noop, random_adapter
+from training.config import ExpertTrainingConfig
+from training.episodes import EpisodePlayer, hf_generate
+from training.experts import ExpertTrainer, RolloutFunction, evaluate, file_sha256, weights_sha256
+from training.lora import ADAPTER_WEIGHTS, is_noop, random_adapter
 
 
 class EchoEnv:
@@ -236,6 +228,49 @@ def test_rollouts_resample_flat_groups_then_drop_them(tokenizer):
     assert logged["episodes/hinted_fraction"] == 0.25 and logged["episodes/unhinted_reward"] == 0.0
 
 
+class ReferencedEchoEnv(EchoEnv):
+    """EchoEnv whose tasks carry their reference solution, as synthesized ones do."""
+
+    def reset(self, seed: int) -> Task:
+        task = super().reset(seed)
+        reference = [{"name": "echo", "arguments": {"text": str(seed)}}]
+        return dataclasses.replace(
+            task, metadata={**task.metadata, "reference": reference, "facts": [str(seed)]}
+        )
+
+
+def test_a_flat_group_of_failures_gets_a_demonstration_that_no_statistic_counts(tokenizer):
+    config = ExpertTrainingConfig(num_generations=2, rollout_budget=4, resample_rounds=0)
+    player = EpisodePlayer(tokenizer, ReferencedEchoEnv, max_turns=3, max_observation_chars=100)
+    policy = scripted(tokenizer, lambda text: "No.")  # never solves anything
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=0))
+    logged: dict[str, float] = {}
+
+    def step(config: ExpertTrainingConfig) -> dict[str, Any]:
+        rollouts = RolloutFunction(config, player, [1, 2], None, lambda trainer: nullcontext(policy))
+        out = rollouts([json.dumps({"seed": 1})] * 2, trainer)
+        logged.clear()
+        rollouts.env_reward([""] * 2, out["env_reward"], log_metric=logged.__setitem__)
+        return out
+
+    out = step(config)
+    demonstration = player.reference(1)
+    assert demonstration is not None and out["env_reward"] == [0.0, 1.0]
+    assert (
+        out["completion_ids"][1] == demonstration.completion_ids
+        and out["env_mask"][1] == demonstration.env_mask
+    )
+    assert logged["dynamic_sampling/demonstrations"] == 1 and logged["dynamic_sampling/dropped_groups"] == 0
+    # What the policy did, alone: the demonstration is in no success or reward statistic.
+    assert (
+        logged["episodes/success"] == logged["episodes/reward"] == logged["episodes/unhinted_reward"] == 0.0
+    )
+    assert logged["episodes/turns"] == 1
+    # Without demonstrations the group teaches nothing and is dropped.
+    out = step(dataclasses.replace(config, demonstrate=False))
+    assert out["env_reward"] == [0.0, 0.0] and logged["dynamic_sampling/dropped_groups"] == 1
+
+
 def test_resampling_finds_signal_on_a_fresh_seed(tokenizer):
     config = ExpertTrainingConfig(num_generations=2, rollout_budget=4, hint_fraction=0.5, resample_rounds=3)
     player = EpisodePlayer(tokenizer, EchoEnv, max_turns=3, max_observation_chars=100)
@@ -322,6 +357,7 @@ TINY = {
     "max_turns": 1,
     "resample_rounds": 0,
     "checkpoint_every": 1,
+    "warm_start_plays": 0,  # GRPO alone here; tests/test_warm_start.py covers the warm start
 }
 RETAIL_SEEDS = list(TRAIN_SEEDS)[:8]
 

@@ -42,6 +42,15 @@ class ExpertTrainingConfig:
     # ``snapshots/<rollouts>`` of the final directory: a success-against-rollouts curve
     # from one run.
     snapshots: tuple[int, ...] = ()
+    # The warm start (``training.warm_start``): before GRPO, the LoRA is fine-tuned on this
+    # many verified reference plays of the environment (0: GRPO alone, as the paper trains).
+    warm_start_plays: int = 32
+    warm_start_epochs: int = 2
+    warm_start_batch_size: int = 4
+    warm_start_learning_rate: float = 5e-4
+    # A group whose rollouts all failed (hinted ones too) gets the task's reference play in
+    # place of one member, so it still teaches something (``RolloutFunction._demonstrate``).
+    demonstrate: bool = True
     seed: int = 0
     output_dir: str = "experts/expert"  # the final adapter directory
     backend: Literal["transformers", "vllm"] = "transformers"  # who generates the rollouts
@@ -76,6 +85,8 @@ class ExpertTrainingConfig:
             raise ValueError("hint_fraction must be in [0, 1]")
         if self.precision not in get_args(Precision):
             raise ValueError(f"precision must be one of {get_args(Precision)}, not {self.precision!r}")
+        if self.warm_start_plays < 0 or self.warm_start_epochs < 1 or self.warm_start_batch_size < 1:
+            raise ValueError("warm_start_plays must be >= 0, and its epochs and batch size >= 1")
         if self.share_prompt and self.gradient_checkpointing:
             raise ValueError("share_prompt needs the key/value cache, which gradient checkpointing disables")
 

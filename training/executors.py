@@ -25,6 +25,7 @@ class TrainingJob:
     config: dict[str, Any]  # ExpertTrainingConfig fields; output_dir names the adapter's final place
     model: str | None = None  # local model dir; None is the embedded default
     examples: list[dict[str, Any]] = field(default_factory=list)  # the agent's few-shot context
+    exclude: list[str] = field(default_factory=list)  # task keys of evaluated tasks: no warm-start play
     progress: bool = True
 
 
@@ -38,6 +39,7 @@ def run_job(job: TrainingJob) -> ExpertResult:
         model=job.model,
         hint=worked_example(spec) or spec.hint,
         examples=job.examples,
+        exclude=job.exclude,
         progress=job.progress,
     )
     return trainer.train()

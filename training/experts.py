@@ -46,207 +46,30 @@ import random
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from transformers import GenerationConfig, LogitsProcessorList, PrinterCallback, TrainerCallback
+from transformers import PrinterCallback, TrainerCallback
 
-from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE, forbidden_token_ids, render
-from trace_plugin.environments.base import Environment, Task, ToolCall, offered_tools
-from trace_plugin.generation import TemperatureSampler, folded, generate_batch, shared_prefix, until_eos
+from trace_plugin.environments.base import Environment, Task
+from trace_plugin.generation import folded, until_eos
 from trace_plugin.model_files import load_model, resolve_model
 from trace_plugin.records.outcome import reward_succeeds
-from trace_plugin.tool_calls import parse_completion
 from training.config import ExpertTrainingConfig
+from training.episodes import EpisodePlayer, Generate, HintValue, Rollout, hf_generate
 from training.lora import ADAPTER_WEIGHTS
+from training.warm_start import WARM_START_DIR, WarmStartResult, WarmStartTrainer
 
-# Text appended to the ticket, or worked example turns placed just before it (a small
-# model copies a demonstrated tool call far more readily than it follows an instruction).
-HintValue = str | list[dict[str, Any]]
 Hint = HintValue | Callable[[Task], HintValue | None]
-# A generation backend: token-id prompts in, one list of completion ids (EOS included when
-# the model stopped) per prompt out.
-Generate = Callable[[list[list[int]]], list[list[int]]]
 
 RESULT_FILE = "expert.json"
 SNAPSHOTS = "snapshots"  # the adapter at earlier rollout counts, inside an expert's directory
-
-
-# -- episodes -------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Rollout:
-    """One episode played for training, as the loss sees it, and what the environment made of it.
-
-    Not :class:`trace_plugin.records.trajectory.Episode`, the stored record of an agent's run.
-    """
-
-    seed: int
-    prompt_ids: list[int]  # the un-hinted prompt: what the loss conditions on
-    completion_ids: list[int] = field(default_factory=list)
-    env_mask: list[int] = field(default_factory=list)  # 1: model token, 0: tool-result token
-    answer: str = ""
-    reward: float = 0.0
-    hinted: bool = False
-    turns: int = 0
-
-
-class EpisodePlayer:
-    """Plays batches of episodes of any environment in lockstep, one ``generate`` per turn.
-
-    Prompts are rendered as the gateway renders them (``TOOL_CHAT_TEMPLATE`` with the
-    OpenAI tool schemas the task offers), so an expert is trained on the tokens it
-    will be served. Later turns are built by appending token ids (model output, then the
-    template's tool-response block), never by re-rendering: the loss must score exactly
-    the tokens that were sampled.
-    """
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        env_factory: Callable[[], Environment],
-        *,
-        max_turns: int,
-        max_observation_chars: int,
-        examples: Sequence[dict[str, Any]] = (),
-    ) -> None:
-        self.tokenizer, self.env_factory = tokenizer, env_factory
-        self.max_turns, self.max_observation_chars = max_turns, max_observation_chars
-        self.examples = list(examples)  # few-shot messages placed after the system prompt
-        self.eos = tokenizer.eos_token_id
-        self._tool_head = self._template([{"role": "user", "content": "x"}, _DUMMY_CALL], False)
-
-    def play(
-        self, seeds: Sequence[int], hints: Sequence[HintValue | None], generate: Generate
-    ) -> list[Rollout]:
-        envs = [self.env_factory() for _ in seeds]
-        rollouts, contexts = [], []
-        for env, seed, hint in zip(envs, seeds, hints, strict=True):
-            task = env.reset(seed)
-            tools = offered_tools(env, task)
-            prompt_ids = self._prompt_ids(env, tools, task.prompt)
-            rollouts.append(Rollout(seed, prompt_ids, hinted=hint is not None))
-            if isinstance(hint, list):
-                contexts.append(self._prompt_ids(env, tools, task.prompt, hint))
-            else:
-                contexts.append(
-                    self._prompt_ids(env, tools, f"{task.prompt}\n\nHint: {hint}") if hint else prompt_ids
-                )
-        active = list(range(len(rollouts)))
-        for turn in range(1, self.max_turns + 1):
-            if not active:
-                break
-            outputs = generate([contexts[i] + rollouts[i].completion_ids for i in active])
-            still = []
-            for i, ids in zip(active, outputs, strict=True):
-                rollout, env = rollouts[i], envs[i]
-                rollout.completion_ids += ids
-                rollout.env_mask += [1] * len(ids)
-                rollout.turns = turn
-                stopped = bool(ids) and ids[-1] == self.eos
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                parsed = parse_completion(text, truncated=not stopped)
-                if not (stopped and parsed.tool_calls):
-                    rollout.answer = parsed.content or ""
-                    continue
-                observations = [self._observe(env, call) for call in parsed.tool_calls]
-                if env.done or turn == self.max_turns:
-                    continue  # ended by the environment, or out of turns: no final message
-                suffix = self.tokenizer(self._tool_suffix(observations), add_special_tokens=False)[
-                    "input_ids"
-                ]
-                rollout.completion_ids += suffix
-                rollout.env_mask += [0] * len(suffix)
-                still.append(i)
-            active = still
-        for rollout, env in zip(rollouts, envs, strict=True):
-            rollout.reward = float(env.reward(rollout.answer).total)
-        return rollouts
-
-    def _prompt_ids(
-        self, env: Environment, tools: list[dict[str, Any]], user: str, turns: Sequence[dict[str, Any]] = ()
-    ) -> list[int]:
-        messages = [{"role": "system", "content": env.system_prompt}, *self.examples, *turns]
-        text = render(self.tokenizer, [*messages, {"role": "user", "content": user}], tools)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def _observe(self, env: Environment, call: dict[str, Any]) -> str:
-        observation = env.step(ToolCall.from_openai(call))
-        if len(observation) > self.max_observation_chars:
-            observation = observation[: self.max_observation_chars] + "…"
-        return observation
-
-    def _tool_suffix(self, observations: list[str]) -> str:
-        """The template's text between an assistant turn's EOS and the next assistant turn."""
-        tools = [{"role": "tool", "content": o} for o in observations]
-        full = self._template([{"role": "user", "content": "x"}, _DUMMY_CALL, *tools], True)
-        end = self._tool_head.rindex(self.tokenizer.eos_token) + len(self.tokenizer.eos_token)
-        return full[end:]
-
-    def _template(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages,
-            chat_template=TOOL_CHAT_TEMPLATE,
-            add_generation_prompt=generation_prompt,
-            tokenize=False,
-        )
-
-
-_DUMMY_CALL = {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {}}]}
-
-
-def hf_generate(
-    model: Any,
-    tokenizer: Any,
-    *,
-    max_new_tokens: int,
-    temperature: float | None,
-    batch_size: int = 64,
-    share_prefix: bool = True,
-) -> Generate:
-    """A transformers backend: left-padded batches; ``temperature=None`` decodes greedily.
-
-    A batch's prompts open alike (the policy, tool schemas and worked examples; a group's
-    ticket too, on every turn), and on a CPU that prompt costs more than the reply. With
-    ``share_prefix`` the common opening runs once and every row continues from its keys
-    and values (:func:`trace_plugin.generation.shared_prefix`), on the generation core the
-    gateway's embedded backend serves requests with.
-    """
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bad_words_ids=forbidden_token_ids(tokenizer),  # decode as the gateway serves
-        do_sample=False,  # sampling, if any, is TemperatureSampler's
-    )
-    sampler = LogitsProcessorList([TemperatureSampler(temperature)] if temperature is not None else [])
-
-    def generate(prompts: list[list[int]]) -> list[list[int]]:
-        out: list[list[int]] = []
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start : start + batch_size]
-            with torch.no_grad():
-                skip, cache = shared_prefix(model, chunk) if share_prefix else (0, None)
-                result, width = generate_batch(
-                    model,
-                    chunk,
-                    tokenizer.pad_token_id,
-                    skip=skip,
-                    cache=cache,
-                    generation_config=config,
-                    logits_processor=sampler,
-                )
-            out += [until_eos(row[width:].tolist(), tokenizer.eos_token_id) for row in result]
-        return out
-
-    return generate
 
 
 def _vllm_generate(trainer: Any) -> Generate:
@@ -306,6 +129,8 @@ class RolloutFunction:
                     groups[i] = group
                 resampled += len(retry)
                 flat = [i for i in flat if _flat(groups[i])]
+        demonstrated = self._demonstrate(groups, flat) if self.config.demonstrate else 0
+        flat = [i for i in flat if _flat(groups[i])]
         eos = self.player.eos
         for i in flat:
             # Still no signal: drop the group. It would add zero to the loss and, masked, zero to the
@@ -317,14 +142,17 @@ class RolloutFunction:
                     [0],
                 )
         rollouts = [r for g in groups for r in g]
-        unhinted = [r.reward for r in rollouts if not r.hinted]
+        sampled = [r for r in rollouts if not r.demonstration]  # what the policy did, alone
+        unhinted = [r.reward for r in sampled if not r.hinted]
         self._stats = {
-            "episodes/success": sum(reward_succeeds(r.reward) for r in rollouts) / len(rollouts),
+            "episodes/reward": sum(r.reward for r in sampled) / len(sampled),
+            "episodes/success": sum(reward_succeeds(r.reward) for r in sampled) / len(sampled),
             "episodes/unhinted_reward": sum(unhinted) / len(unhinted) if unhinted else math.nan,
-            "episodes/hinted_fraction": sum(r.hinted for r in rollouts) / len(rollouts),
-            "episodes/turns": sum(r.turns for r in rollouts) / len(rollouts),
+            "episodes/hinted_fraction": sum(r.hinted for r in sampled) / len(sampled),
+            "episodes/turns": sum(r.turns for r in sampled) / len(sampled),
             "dynamic_sampling/zero_signal_groups": zero_signal,
             "dynamic_sampling/resampled_groups": resampled,
+            "dynamic_sampling/demonstrations": demonstrated,
             "dynamic_sampling/dropped_groups": len(flat),
             "timing/rollout_seconds": time.monotonic() - start,
         }
@@ -344,6 +172,26 @@ class RolloutFunction:
             if not math.isnan(value):
                 log_metric(name, float(value))
         return list(env_reward)
+
+    def _demonstrate(self, groups: list[list[Rollout]], flat: list[int]) -> int:
+        """In each flat group of failures, the task's reference play takes the last member's
+        place; returns how many groups got one.
+
+        With per-group scaling and no importance ratio the demonstration's loss is an
+        advantage-weighted SFT term, and the failures beside it are pushed down: off-policy
+        mixing of this kind can collapse entropy, so it is limited to groups that would
+        otherwise teach nothing (hints failed there too), one demonstration per group, and
+        TRL's logged ``entropy`` shows what it does."""
+        count = 0
+        for i in flat:
+            group = groups[i]
+            if reward_succeeds(group[0].reward):
+                continue  # all succeeded: nothing to show
+            demonstration = self.player.reference(group[-1].seed)
+            if demonstration is not None and demonstration.reward > group[0].reward:
+                groups[i] = [*group[:-1], demonstration]
+                count += 1
+        return count
 
     def _play_groups(self, seeds: list[int], rng: random.Random, generate: Generate) -> list[list[Rollout]]:
         """One group per seed, all played in one lockstep batch: a generate call per turn for
@@ -481,6 +329,8 @@ class ExpertResult:
     logs: list[dict[str, float]]  # TRL's step logs (reward, loss, dynamic-sampling counts, ...)
     resumed_from_step: int | None = None  # the checkpoint this run continued from
     snapshots: list[int] = dataclasses.field(default_factory=list)  # rollout counts kept (``snapshot``)
+    reference_plays: int = 0  # warm-start plays trained on before GRPO (apart from the rollouts)
+    warm_start_losses: list[float] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
@@ -520,6 +370,7 @@ class ExpertTrainer:
         model: str | Path | None = None,
         hint: Hint | None = None,
         examples: Sequence[dict[str, Any]] = (),
+        exclude: Collection[str] = (),
         progress: bool = True,
         callbacks: Sequence[TrainerCallback] = (),
         console: Console | None = None,
@@ -527,6 +378,8 @@ class ExpertTrainer:
         if not seeds:
             raise ValueError("no training seeds")
         self.config, self.env_factory, self.seeds = config, env_factory, list(seeds)
+        self.exclude = sorted(set(exclude))  # task keys the warm start must not play (evaluated tasks)
+        self.warm_start: WarmStartResult | None = None
         self.model_dir = resolve_model(model)
         self.hint, self.examples, self.progress = hint, list(examples), progress
         self.callbacks = list(callbacks)
@@ -556,7 +409,9 @@ class ExpertTrainer:
     def _resumable_checkpoint(self) -> Path | None:
         """The newest complete checkpoint of a run with this very config; otherwise a clean slate."""
         stamp = self.work_dir / "config.json"
-        wanted = json.dumps({"config": self.config.to_dict(), "seeds": self.seeds}, sort_keys=True)
+        wanted = json.dumps(
+            {"config": self.config.to_dict(), "seeds": self.seeds, "exclude": self.exclude}, sort_keys=True
+        )
         if self.work_dir.exists() and (not stamp.is_file() or stamp.read_text() != wanted):
             shutil.rmtree(self.work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -580,6 +435,26 @@ class ExpertTrainer:
             max_observation_chars=config.max_observation_chars,
             examples=self.examples,
         )
+        peft_config = config.lora_config()
+        if config.warm_start_plays:
+            from peft import PeftModel
+
+            warm = WarmStartTrainer(
+                config,
+                player,
+                self.seeds,
+                self.work_dir,
+                exclude=self.exclude,
+                progress=self.progress,
+                callbacks=self.callbacks,
+                console=self.console,
+            )
+            self.warm_start = warm.train(model)
+            # GRPO continues on the warm-started adapter (a fresh base model under it: SFT
+            # wrapped the first one in place). ``peft_config`` would make a new, empty LoRA.
+            base, _ = load_model(self.model_dir, precision=config.precision)
+            model = PeftModel.from_pretrained(base, str(self.warm_start.adapter_dir), is_trainable=True)
+            peft_config = None
 
         @contextmanager
         def backend(trainer: Any) -> Iterator[Generate]:
@@ -607,7 +482,7 @@ class ExpertTrainer:
                 args=config.grpo_config(self.work_dir),
                 train_dataset=dataset,
                 processing_class=tokenizer,
-                peft_config=config.lora_config(),
+                peft_config=peft_config,
                 rollout_func=rollouts,
                 callbacks=self.callbacks,
             )
@@ -631,7 +506,7 @@ class ExpertTrainer:
         result = ExpertResult(
             adapter_dir=self.final_dir,
             adapter_sha256=file_sha256(staging / ADAPTER_WEIGHTS),
-            reward_curve=[entry["reward"] for entry in logs],
+            reward_curve=[entry["episodes/reward"] for entry in logs],
             unhinted_curve=[_number(entry.get("episodes/unhinted_reward")) for entry in logs],
             config=self.config.to_dict(),
             base_model=self.model_dir,
@@ -640,9 +515,13 @@ class ExpertTrainer:
             logs=logs,
             resumed_from_step=int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint else None,
             snapshots=list(self.config.snapshots),
+            reference_plays=self.warm_start.plays if self.warm_start else 0,
+            warm_start_losses=self.warm_start.losses if self.warm_start else [],
         )
         if self.config.snapshots:  # kept in the work dir, so a resumed run still has the earlier ones
             (self.work_dir / SNAPSHOTS).rename(staging / SNAPSHOTS)
+        if self.warm_start:  # the adapter before GRPO, for the warm start's own ablation
+            self.warm_start.adapter_dir.rename(staging / WARM_START_DIR)
         (staging / RESULT_FILE).write_text(result.to_json())
         self.final_dir.parent.mkdir(parents=True, exist_ok=True)
         staging.rename(self.final_dir)
@@ -696,15 +575,18 @@ class _ProgressBar(TrainerCallback):
         if not logs or "reward" not in logs:
             return
         elapsed, self._start = time.monotonic() - self._start, time.monotonic()
-        self.progress.update(self.task, completed=state.global_step, reward=f"{logs['reward']:.2f}")
+        reward = logs.get("episodes/reward", logs["reward"])  # sampled rollouts only, demonstrations apart
+        self.progress.update(self.task, completed=state.global_step, reward=f"{reward:.2f}")
         unhinted = logs.get("episodes/unhinted_reward")
         self.progress.console.log(
-            f"step {state.global_step}/{state.max_steps}  reward {logs['reward']:.3f}"
+            f"step {state.global_step}/{state.max_steps}  reward {reward:.3f}"
             + (f"  unhinted {unhinted:.3f}" if unhinted is not None else "")
             + f"  success {logs.get('episodes/success', 0.0):.2f}"
             + f"  zero-signal groups {logs.get('dynamic_sampling/zero_signal_groups', 0):.0f}"
             + f" (resampled {logs.get('dynamic_sampling/resampled_groups', 0):.0f},"
+            + f" demonstrated {logs.get('dynamic_sampling/demonstrations', 0):.0f},"
             + f" dropped {logs.get('dynamic_sampling/dropped_groups', 0):.0f})"
+            + (f"  entropy {logs['entropy']:.2f}" if "entropy" in logs else "")
             + f"  {elapsed:.1f}s"
         )
 

@@ -8,6 +8,7 @@ from trace_plugin.environments.base import (
     ToolCall,
     observation_error,
     offered_tools,
+    task_key,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "ToolCall",
     "observation_error",
     "offered_tools",
+    "task_key",
 ]

@@ -9,6 +9,7 @@ The same seed and the same calls always give the same observations and reward.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -103,6 +104,25 @@ def observation_error(observation: str) -> str | None:
 def offered_tools(env: Environment, task: Task) -> list[dict[str, Any]]:
     """The tools an agent working on ``task`` is offered: the task's own, else the environment's."""
     return env.tools if task.tools is None else task.tools
+
+
+def task_key(prompt: str, tools: list[dict[str, Any]] | None) -> str:
+    """What makes two tasks the same to a model: the request and the tools it offers.
+
+    Warm-start plays whose key is an evaluated task's are left out; seeds alone do not
+    tell tasks apart (a family may draw the same request from different seeds)."""
+    canonical = json.dumps([" ".join(prompt.split()).lower(), tools or []], sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def task_keys(factory: Callable[[], Environment], seeds: Sequence[int]) -> set[str]:
+    """The keys of ``factory``'s tasks on ``seeds``: the tasks an evaluation plays."""
+    keys = set()
+    for seed in seeds:
+        env = factory()
+        task = env.reset(seed)
+        keys.add(task_key(task.prompt, offered_tools(env, task)))
+    return keys
 
 
 class Environment(Protocol):

@@ -94,6 +94,9 @@ class SpecEnv:
             "hint": self.spec.hint,
             "satisfiable": not failures,
             "reference_errors": failures,
+            # Calls of stateless tools need no result of each other: one turn makes them all.
+            "parallel": len(reference) > 1
+            and all(self.spec.tool(r["name"]).behaviour == "respond" for r in reference),
         }
         schemas = {t.name: t.schema_ for t in self.spec.tools}
         tools = [schemas[name] for name in template.tools] or None

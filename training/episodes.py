@@ -1,0 +1,271 @@
+"""Episodes played for training: the player that renders and plays them, and its backend.
+
+:class:`EpisodePlayer` renders prompts as the gateway serves them and plays whole episodes,
+all rollouts of a batch in lockstep with one batched ``generate`` per turn; GRPO's rollout
+function and the warm start's reference plays (:mod:`training.warm_start`) both build their
+token sequences here, so the two can never disagree about what the model is trained on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList
+
+from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE, forbidden_token_ids, render
+from trace_plugin.environments.base import Environment, ToolCall, offered_tools
+from trace_plugin.generation import TemperatureSampler, generate_batch, shared_prefix, until_eos
+from trace_plugin.records.outcome import reward_succeeds
+from trace_plugin.tool_calls import parse_completion
+
+# Text appended to the ticket, or worked example turns placed just before it (a small
+# model copies a demonstrated tool call far more readily than it follows an instruction).
+HintValue = str | list[dict[str, Any]]
+# A generation backend: token-id prompts in, one list of completion ids (EOS included when
+# the model stopped) per prompt out.
+Generate = Callable[[list[list[int]]], list[list[int]]]
+
+
+@dataclass(slots=True)
+class Rollout:
+    """One episode played for training, as the loss sees it, and what the environment made of it.
+
+    Not :class:`trace_plugin.records.trajectory.Episode`, the stored record of an agent's run.
+    """
+
+    seed: int
+    prompt_ids: list[int]  # the un-hinted prompt: what the loss conditions on
+    completion_ids: list[int] = field(default_factory=list)
+    env_mask: list[int] = field(default_factory=list)  # 1: model token, 0: tool-result token
+    answer: str = ""
+    reward: float = 0.0
+    hinted: bool = False
+    turns: int = 0
+    # A reference play (``EpisodePlayer.reference``), not a sample of the policy: it never
+    # counts in success or un-hinted statistics.
+    demonstration: bool = False
+
+
+class EpisodePlayer:
+    """Plays batches of episodes of any environment in lockstep, one ``generate`` per turn.
+
+    Prompts are rendered as the gateway renders them (``TOOL_CHAT_TEMPLATE`` with the
+    OpenAI tool schemas the task offers), so an expert is trained on the tokens it
+    will be served. Later turns are built by appending token ids (model output, then the
+    template's tool-response block), never by re-rendering: the loss must score exactly
+    the tokens that were sampled.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        env_factory: Callable[[], Environment],
+        *,
+        max_turns: int,
+        max_observation_chars: int,
+        examples: Sequence[dict[str, Any]] = (),
+    ) -> None:
+        self.tokenizer, self.env_factory = tokenizer, env_factory
+        self.max_turns, self.max_observation_chars = max_turns, max_observation_chars
+        self.examples = list(examples)  # few-shot messages placed after the system prompt
+        self.eos = tokenizer.eos_token_id
+        self._tool_head = self._template([{"role": "user", "content": "x"}, _DUMMY_CALL], False)
+
+    def play(
+        self, seeds: Sequence[int], hints: Sequence[HintValue | None], generate: Generate
+    ) -> list[Rollout]:
+        envs = [self.env_factory() for _ in seeds]
+        rollouts, contexts = [], []
+        for env, seed, hint in zip(envs, seeds, hints, strict=True):
+            task = env.reset(seed)
+            tools = offered_tools(env, task)
+            prompt_ids = self._prompt_ids(env, tools, task.prompt)
+            rollouts.append(Rollout(seed, prompt_ids, hinted=hint is not None))
+            if isinstance(hint, list):
+                contexts.append(self._prompt_ids(env, tools, task.prompt, hint))
+            else:
+                contexts.append(
+                    self._prompt_ids(env, tools, f"{task.prompt}\n\nHint: {hint}") if hint else prompt_ids
+                )
+        active = list(range(len(rollouts)))
+        for turn in range(1, self.max_turns + 1):
+            if not active:
+                break
+            outputs = generate([contexts[i] + rollouts[i].completion_ids for i in active])
+            still = []
+            for i, ids in zip(active, outputs, strict=True):
+                rollout, env = rollouts[i], envs[i]
+                rollout.completion_ids += ids
+                rollout.env_mask += [1] * len(ids)
+                rollout.turns = turn
+                stopped = bool(ids) and ids[-1] == self.eos
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                parsed = parse_completion(text, truncated=not stopped)
+                if not (stopped and parsed.tool_calls):
+                    rollout.answer = parsed.content or ""
+                    continue
+                observations = [self._observe(env, call) for call in parsed.tool_calls]
+                if env.done or turn == self.max_turns:
+                    continue  # ended by the environment, or out of turns: no final message
+                suffix = self.tokenizer(self._tool_suffix(observations), add_special_tokens=False)[
+                    "input_ids"
+                ]
+                rollout.completion_ids += suffix
+                rollout.env_mask += [0] * len(suffix)
+                still.append(i)
+            active = still
+        for rollout, env in zip(rollouts, envs, strict=True):
+            rollout.reward = float(env.reward(rollout.answer).total)
+        return rollouts
+
+    def reference(self, seed: int) -> Rollout | None:
+        """The task's verified reference solution as the policy would have played it: the
+        reference calls (one turn each, or one turn for all when the task says they are
+        independent), the environment's real results, then the answer told to the user.
+
+        Token for token what a rollout holds, and what serving renders for each turn: the
+        model's tokens are the template's own text for each assistant message, so the
+        warm start and demonstrations train exactly the replies GRPO samples and the gateway
+        parses. None when the task has no reference, it is unsatisfiable, it takes more turns
+        than ``max_turns``, or the played reference does not succeed."""
+        env = self.env_factory()
+        task = env.reset(seed)
+        calls = task.metadata.get("reference")
+        if calls is None or not task.metadata.get("satisfiable", True):
+            return None
+        turns = [calls] if task.metadata.get("parallel") and calls else [[c] for c in calls]
+        answer = reference_answer(task.metadata)
+        if len(turns) + (answer is not None) > self.max_turns:
+            return None
+        tools = offered_tools(env, task)
+        rollout = Rollout(seed, self._prompt_ids(env, tools, task.prompt), demonstration=True)
+        for i, turn in enumerate(turns):
+            message = {"role": "assistant", "content": "", "tool_calls": [dict(c) for c in turn]}
+            self._append(rollout, self._assistant_ids(message), 1)
+            observations = [self._observe(env, c) for c in turn]
+            rollout.turns += 1
+            if env.done or (i == len(turns) - 1 and answer is None):
+                break
+            self._append(
+                rollout,
+                self.tokenizer(self._tool_suffix(observations), add_special_tokens=False)["input_ids"],
+                0,
+            )
+        else:
+            if answer is not None:
+                self._append(rollout, self._assistant_ids({"role": "assistant", "content": answer}), 1)
+                rollout.turns += 1
+                rollout.answer = answer
+        rollout.reward = float(env.reward(rollout.answer).total)
+        return rollout if reward_succeeds(rollout.reward) else None
+
+    def _assistant_ids(self, message: dict[str, Any]) -> list[int]:
+        """An assistant message as the model writes it after the generation prompt, EOS
+        included: the template's own rendering of it, less the newline the template puts
+        after EOS (serving's prompt holds that newline, so the model never writes it)."""
+        head = self._template([{"role": "user", "content": "x"}], True)
+        full = self._template([{"role": "user", "content": "x"}, message], False)
+        if not full.startswith(head):
+            raise ValueError("the chat template renders an assistant turn unlike its generation prompt")
+        text = full[len(head) : full.rindex(self.tokenizer.eos_token)]
+        return [*self.tokenizer(text, add_special_tokens=False)["input_ids"], self.eos]
+
+    @staticmethod
+    def _append(rollout: Rollout, ids: list[int], mask: int) -> None:
+        rollout.completion_ids += ids
+        rollout.env_mask += [mask] * len(ids)
+
+    def _prompt_ids(
+        self, env: Environment, tools: list[dict[str, Any]], user: str, turns: Sequence[dict[str, Any]] = ()
+    ) -> list[int]:
+        messages = [{"role": "system", "content": env.system_prompt}, *self.examples, *turns]
+        text = render(self.tokenizer, [*messages, {"role": "user", "content": user}], tools)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _observe(self, env: Environment, call: dict[str, Any]) -> str:
+        observation = env.step(ToolCall.from_openai(call))
+        if len(observation) > self.max_observation_chars:
+            observation = observation[: self.max_observation_chars] + "…"
+        return observation
+
+    def _tool_suffix(self, observations: list[str]) -> str:
+        """The template's text between an assistant turn's EOS and the next assistant turn."""
+        tools = [{"role": "tool", "content": o} for o in observations]
+        full = self._template([{"role": "user", "content": "x"}, _DUMMY_CALL, *tools], True)
+        end = self._tool_head.rindex(self.tokenizer.eos_token) + len(self.tokenizer.eos_token)
+        return full[end:]
+
+    def _template(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages,
+            chat_template=TOOL_CHAT_TEMPLATE,
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+        )
+
+
+def reference_answer(metadata: dict[str, Any]) -> str | None:
+    """What a reference play tells the user at the end: the task's own answer when it gives
+    one (``reference_answer``), else the facts the user must be told, or a plain close.
+    None for a task whose calls end it (no message follows)."""
+    if "reference_answer" in metadata:
+        return metadata["reference_answer"]
+    facts = [str(f) for f in metadata.get("facts") or []]
+    if facts:
+        return f"Here is what I found: {'; '.join(facts)}."
+    return (
+        "Done: your request is complete." if metadata.get("reference") else "Hello! How can I help you today?"
+    )
+
+
+_DUMMY_CALL = {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {}}]}
+
+
+def hf_generate(
+    model: Any,
+    tokenizer: Any,
+    *,
+    max_new_tokens: int,
+    temperature: float | None,
+    batch_size: int = 64,
+    share_prefix: bool = True,
+) -> Generate:
+    """A transformers backend: left-padded batches; ``temperature=None`` decodes greedily.
+
+    A batch's prompts open alike (the policy, tool schemas and worked examples; a group's
+    ticket too, on every turn), and on a CPU that prompt costs more than the reply. With
+    ``share_prefix`` the common opening runs once and every row continues from its keys
+    and values (:func:`trace_plugin.generation.shared_prefix`), on the generation core the
+    gateway's embedded backend serves requests with.
+    """
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bad_words_ids=forbidden_token_ids(tokenizer),  # decode as the gateway serves
+        do_sample=False,  # sampling, if any, is TemperatureSampler's
+    )
+    sampler = LogitsProcessorList([TemperatureSampler(temperature)] if temperature is not None else [])
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        out: list[list[int]] = []
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            with torch.no_grad():
+                skip, cache = shared_prefix(model, chunk) if share_prefix else (0, None)
+                result, width = generate_batch(
+                    model,
+                    chunk,
+                    tokenizer.pad_token_id,
+                    skip=skip,
+                    cache=cache,
+                    generation_config=config,
+                    logits_processor=sampler,
+                )
+            out += [until_eos(row[width:].tolist(), tokenizer.eos_token_id) for row in result]
+        return out
+
+    return generate

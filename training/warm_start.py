@@ -1,0 +1,306 @@
+"""The warm start: an expert's LoRA fine-tuned on its environment's verified reference plays
+before GRPO, so that GRPO starts from a policy that sometimes succeeds.
+
+Pure RL from SmolLM2-135M found no gradient: its groups were all failures, so every
+advantage was zero. A synthesized environment holds a verified reference solution for
+every seed; played through the environment (:meth:`EpisodePlayer.reference`) it becomes a
+token sequence exactly like a rollout's, rendered behind the agent's own system prompt and
+worked examples, with the task's tools, by our own chat template. We hand TRL's
+``SFTTrainer`` those ids pre-tokenized with an assistant mask (its ``assistant_masks``
+column), so the loss covers the model's replies only and TRL applies no template of its
+own (TRL's templates would double-encode string arguments and train the newline serving
+puts in the prompt). ``max_length`` is the longest play: SFT's default of 1024 tokens cuts
+sequences from the end, and the retail prompt alone is about 1,350.
+
+Plays never repeat a task that is evaluated: a play whose request and offered tools hash
+(:func:`~trace_plugin.environments.base.task_key`) to one of an evaluated set is left out,
+since seeds alone do not separate them (the generic family's no-call requests are three
+fixed strings).
+
+The adapter is published atomically (``.partial`` then rename) inside the expert's work
+directory, and SFT checkpoints let a killed warm start resume where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from collections.abc import Collection, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from transformers import PrinterCallback, TrainerCallback
+
+from trace_plugin.environments.base import offered_tools, task_key
+from training.config import ExpertTrainingConfig
+from training.episodes import EpisodePlayer, Rollout
+
+WARM_START_DIR = "warm_start"  # the warm-started adapter, inside the expert's work directory
+RESULT_FILE = "warm_start.json"
+
+
+@dataclass(frozen=True)
+class ReferencePlays:
+    """The plays a warm start trains on, and how many seeds were passed over, by reason."""
+
+    plays: list[Rollout]
+    leaked: int = 0  # the task is one an evaluation plays
+    repeated: int = 0  # the same request and tools as an earlier play
+    unplayable: int = 0  # no reference, unsatisfiable, too many turns, or it did not succeed
+
+    @property
+    def longest(self) -> int:
+        return max((len(p.prompt_ids) + len(p.completion_ids) for p in self.plays), default=0)
+
+    def rows(self) -> dict[str, list[list[int]]]:
+        """``SFTTrainer``'s pre-tokenized columns: the whole play, and which tokens are the model's."""
+        return {
+            "input_ids": [p.prompt_ids + p.completion_ids for p in self.plays],
+            "assistant_masks": [[0] * len(p.prompt_ids) + p.env_mask for p in self.plays],
+        }
+
+
+def reference_plays(
+    player: EpisodePlayer, seeds: Sequence[int], count: int, *, exclude: Collection[str] = ()
+) -> ReferencePlays:
+    """Up to ``count`` successful reference plays from ``seeds``, in order, none of whose
+    tasks is in ``exclude`` (task keys) or repeats an earlier play's."""
+    plays: list[Rollout] = []
+    seen: set[str] = set(exclude)
+    leaked = repeated = unplayable = 0
+    for seed in seeds:
+        if len(plays) == count:
+            break
+        env = player.env_factory()
+        task = env.reset(seed)
+        key = task_key(task.prompt, offered_tools(env, task))
+        if key in seen:
+            leaked += key in exclude
+            repeated += key not in exclude
+            continue
+        play = player.reference(seed)
+        if play is None:
+            unplayable += 1
+            continue
+        seen.add(key)
+        plays.append(play)
+    return ReferencePlays(plays, leaked, repeated, unplayable)
+
+
+@dataclass(frozen=True)
+class WarmStartResult:
+    """A finished warm start: the adapter, and what it was trained on."""
+
+    adapter_dir: Path
+    plays: int
+    skipped: dict[str, int]  # seeds passed over, by reason
+    losses: list[float]  # the training loss per logged step
+    resumed_from_step: int | None = None  # the SFT checkpoint a killed run continued from
+
+
+class WarmStartTrainer:
+    """Supervised fine-tuning of a fresh LoRA on reference plays, with TRL's ``SFTTrainer``.
+
+    ``train`` returns the finished result; a re-run after a kill resumes from the last
+    complete SFT checkpoint, and one after it finished returns at once.
+    """
+
+    def __init__(
+        self,
+        config: ExpertTrainingConfig,
+        player: EpisodePlayer,
+        seeds: Sequence[int],
+        work_dir: Path,
+        *,
+        exclude: Collection[str] = (),
+        progress: bool = True,
+        callbacks: Sequence[TrainerCallback] = (),
+        console: Console | None = None,
+    ) -> None:
+        self.config, self.player, self.seeds = config, player, list(seeds)
+        self.exclude, self.progress, self.callbacks = frozenset(exclude), progress, list(callbacks)
+        self.console = console or Console()
+        self.final_dir = work_dir / WARM_START_DIR
+        self.partial_dir = work_dir / f"{WARM_START_DIR}.partial"
+
+    def plays(self) -> ReferencePlays:
+        return reference_plays(self.player, self.seeds, self.config.warm_start_plays, exclude=self.exclude)
+
+    def train(self, model: Any) -> WarmStartResult:
+        """Fine-tune ``model`` (the base model) with the expert's LoRA; returns the adapter."""
+        result_file = self.final_dir / RESULT_FILE
+        if result_file.is_file():
+            return WarmStartResult(self.final_dir, **json.loads(result_file.read_text()))
+        plays = self.plays()
+        if not plays.plays:
+            raise ValueError(
+                "no reference play to warm-start from: every seed was unplayable or an evaluated task "
+                f"(leaked {plays.leaked}, repeated {plays.repeated}, unplayable {plays.unplayable})"
+            )
+        trainer = self.build(model, plays)
+        self.partial_dir.mkdir(parents=True, exist_ok=True)
+        complete = [c for c in self.partial_dir.glob("checkpoint-*") if (c / "trainer_state.json").is_file()]
+        checkpoint = max(complete, key=lambda c: int(c.name.rsplit("-", 1)[1]), default=None)
+        bar = _Progress(self.console, len(plays.plays)) if self.progress else None
+        if bar is not None:
+            trainer.add_callback(bar)
+        with bar or nullcontext():
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        result = WarmStartResult(
+            self.final_dir,
+            plays=len(plays.plays),
+            skipped={"leaked": plays.leaked, "repeated": plays.repeated, "unplayable": plays.unplayable},
+            losses=[float(e["loss"]) for e in trainer.state.log_history if "loss" in e],
+            resumed_from_step=int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint else None,
+        )
+        staging = self.partial_dir / "adapter"
+        shutil.rmtree(staging, ignore_errors=True)
+        trainer.model.save_pretrained(staging)
+        fields = {k: v for k, v in dataclasses.asdict(result).items() if k != "adapter_dir"}
+        (staging / RESULT_FILE).write_text(json.dumps(fields))
+        staging.rename(self.final_dir)
+        shutil.rmtree(self.partial_dir, ignore_errors=True)
+        return result
+
+    def build(self, model: Any, plays: ReferencePlays) -> Any:
+        """TRL's ``SFTTrainer`` over the plays' ids, with the expert's own LoRA config."""
+        from datasets import Dataset
+        from trl import SFTConfig
+
+        config = self.config
+        args = SFTConfig(
+            output_dir=str(self.partial_dir),
+            num_train_epochs=config.warm_start_epochs,
+            per_device_train_batch_size=config.warm_start_batch_size,
+            learning_rate=config.warm_start_learning_rate,
+            lr_scheduler_type="constant",
+            max_length=plays.longest,  # never truncate: the replies sit at the end
+            # TRL's default recomputes activations, and turns off the cache the opening is shared through.
+            gradient_checkpointing=config.gradient_checkpointing,
+            bf16=False,  # no autocast: the weights are already in the config's precision
+            use_cpu=not _cuda_available(),
+            seed=config.seed,
+            logging_steps=1,
+            save_strategy="steps",
+            save_steps=config.checkpoint_every,
+            save_total_limit=2,
+            report_to="none",
+            disable_tqdm=True,
+        )
+        trainer = _shared_opening_trainer()(
+            model=model,
+            args=args,
+            train_dataset=Dataset.from_dict(plays.rows()),
+            processing_class=self.player.tokenizer,
+            peft_config=config.lora_config(),
+            callbacks=self.callbacks,
+        )
+        trainer.remove_callback(PrinterCallback)
+        return trainer
+
+
+def opening_once_forward(model: Any, input_ids: Any, attention_mask: Any, labels: Any) -> Any:
+    """TRL's fused-head forward over a batch of plays, with their common opening run once.
+
+    Every play opens with the same system prompt, tools and worked examples (about 850 of
+    a retail play's 1,050 tokens), and on a CPU the forward and backward passes over them are
+    most of a step. The opening, up to the first token any row trains on, runs once; its
+    key/value cache is repeated per row and each row continues from it. Positions and masks
+    are the full sequences', and gradients flow back through the cache into the opening's
+    LoRA weights, so loss and gradients are those of the plain forward.
+    """
+    from peft import PeftModel
+
+    trained = (labels != -100).int()
+    first_label = int(trained.argmax(dim=1).min()) if bool(trained.any()) else input_ids.size(1)
+    same = (input_ids == input_ids[:1]).all(dim=0) & (attention_mask == 1).all(dim=0)
+    common = int(same.int().cumprod(dim=0).sum())
+    cut = min(common, first_label - 1)  # the label at ``cut`` is scored from inside the opening: none
+    if cut < 1:
+        return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+    unwrapped = model.get_base_model() if isinstance(model, PeftModel) else model
+    opening = unwrapped.get_decoder()(
+        input_ids=input_ids[:1, :cut], attention_mask=attention_mask[:1, :cut], use_cache=True
+    ).cache
+    opening.batch_repeat_interleave(input_ids.size(0))
+    return model(
+        input_ids=input_ids[:, cut:],
+        attention_mask=attention_mask,
+        cache=opening,
+        labels=labels[:, cut:],
+        fused_lm_head=True,
+    )
+
+
+def _shared_opening_trainer() -> type:
+    """TRL's ``SFTTrainer`` whose loss pass runs a batch's common opening once."""
+    from trl import SFTTrainer
+
+    class _OpeningOnce:
+        """The model as ``SFTTrainer.compute_loss`` calls it, through :func:`opening_once_forward`."""
+
+        def __init__(self, model: Any) -> None:
+            self.model = model
+
+        def __call__(self, *, input_ids: Any, attention_mask: Any, labels: Any, **_: Any) -> Any:
+            return opening_once_forward(self.model, input_ids, attention_mask, labels)
+
+    class SharedOpeningSFTTrainer(SFTTrainer):
+        def compute_loss(
+            self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+        ) -> Any:
+            return super().compute_loss(_OpeningOnce(model), inputs, return_outputs, num_items_in_batch)
+
+    return SharedOpeningSFTTrainer
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+class _Progress(TrainerCallback):
+    """A rich bar over the warm start's optimizer steps, and one log line per step with its loss."""
+
+    def __init__(self, console: Console, plays: int) -> None:
+        columns = (
+            TextColumn(f"warm start ({plays} plays)"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TimeElapsedColumn(),
+        )
+        self.progress = Progress(*columns, console=console)
+        self.task = self.progress.add_task("sft", total=None, loss="-")
+        self._start = time.monotonic()
+
+    def __enter__(self) -> _Progress:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.progress.update(self.task, total=state.max_steps, completed=state.global_step)
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
+    ) -> None:
+        if not logs or "loss" not in logs:
+            return
+        elapsed, self._start = time.monotonic() - self._start, time.monotonic()
+        self.progress.update(self.task, completed=state.global_step, loss=f"{logs['loss']:.3f}")
+        accuracy = logs.get("mean_token_accuracy")
+        self.progress.console.log(
+            f"warm start step {state.global_step}/{state.max_steps}  loss {logs['loss']:.3f}"
+            + (f"  token accuracy {accuracy:.3f}" if accuracy is not None else "")
+            + f"  {elapsed:.1f}s"
+        )
