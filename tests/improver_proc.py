@@ -122,6 +122,9 @@ config = ImproverConfig(
         "max_completion_length": 16,
         "max_turns": 2,
         "checkpoint_every": 1,
+        "warm_start_plays": 2,  # the warm start runs, and resumes, inside the improver too
+        "warm_start_epochs": 1,
+        "warm_start_batch_size": 2,
     },
 )
 store, recorder = Store(db), Recorder(db)

@@ -334,12 +334,15 @@ def test_easing_never_drops_the_calls_that_are_the_capability(capability):
 # -- storage -------------------------------------------------------------------------------
 
 
-def test_an_expert_learned_without_hints_only_if_its_unhinted_reward_rose():
+def test_an_expert_learned_without_hints_only_if_its_unhinted_reward_rose_as_a_trend():
     def expert(curve):
         return Expert("a", "c", "c-env", 1, "m", "", {}, unhinted_curve=curve)
 
-    assert expert([None, 0.0, 0.25]).learned_unhinted and expert([0.1, 0.0, 0.2]).learned_unhinted
-    assert not expert([0.0, None, 0.0]).learned_unhinted and not expert([0.3, 0.1]).learned_unhinted
+    assert expert([None, 0.0, 0.0, 0.25, 0.25]).learned_unhinted
+    assert expert([0.1, 0.0, None, 0.2, 0.1, 0.3]).learned_unhinted
+    assert not expert([0.0, 0.25, 0.0, 0.0]).learned_unhinted  # one lucky step is not a trend
+    assert not expert([0.0, 0.0, 0.25]).learned_unhinted  # too few steps to tell
+    assert not expert([0.3, 0.1, 0.2, 0.2]).learned_unhinted
     assert not expert([None, None]).learned_unhinted and not expert([]).learned_unhinted
 
 

@@ -59,7 +59,7 @@ class DemoError(TracePluginError):
 
 @dataclass(frozen=True)
 class Preset:
-    test_tasks: int  # retail test tasks, the same ones before and after
+    test_tasks: int  # retail test tasks, the same ones before and after: the reported ones
     traffic_tasks: int  # retail train tasks played as production traffic
     rollouts: int  # GRPO rollout budget per expert
     max_experts: int
@@ -68,12 +68,17 @@ class Preset:
     calibration_attempts: int
     eval_seeds: int  # held-out seeds per synthesized environment
     cycles: int = 1  # improvement cycles, each on fresh traffic from the agent as it then is
+    # Retail test tasks the deploy gate decides on: other tasks than the reported ones, so
+    # the "after" is not measured on the tasks that let the candidate through.
+    gate_tasks: int = 8
+    reference_plays: int = 32  # the warm start's plays per expert, apart from the rollouts
 
 
 PRESETS = {
     "quick": Preset(8, 24, 24, 1, 4, 2, 3, 4),
-    "default": Preset(24, 64, 24, 2, 4, 2, 5, 8, cycles=2),
+    "default": Preset(24, 64, 24, 2, 4, 2, 5, 8, cycles=2, gate_tasks=24),
 }
+GATE_OFFSET = 48  # the gate's tasks start here in the retail test split: one per kind, after the reported
 
 
 @dataclass(frozen=True)
@@ -173,8 +178,8 @@ class SupportStack:
         self.recorder.flush(30)
         return results
 
-    def improver(self, preset: Preset, test: Sequence[int]) -> Improver:
-        """The improver as the demo runs it: judged on the retail ``test`` tasks through this stack."""
+    def improver(self, preset: Preset, gate: Sequence[int]) -> Improver:
+        """The improver as the demo runs it: its gate decides on the retail ``gate`` tasks."""
         return Improver(
             self.store,
             ImproverConfig(
@@ -182,13 +187,18 @@ class SupportStack:
                 gateway_url=self.server.url,
                 adapter_root=self.adapter_root,
                 target="retail",
-                target_seeds=test,
+                target_seeds=gate,
                 min_new_episodes=0,
                 max_experts=preset.max_experts,
                 calibration_seeds=preset.calibration_seeds,
                 calibration_samples=preset.calibration_samples,
                 calibration_attempts=preset.calibration_attempts,
-                training={"rollout_budget": preset.rollouts, **EXPERT_TRAINING, "precision": self.precision},
+                training={
+                    "rollout_budget": preset.rollouts,
+                    "warm_start_plays": preset.reference_plays,
+                    **EXPERT_TRAINING,
+                    "precision": self.precision,
+                },
                 eval_seeds=preset.eval_seeds,
             ),
             evaluator=self.evaluate,
@@ -224,7 +234,8 @@ def main(
     stages.get("settings", lambda: {"preset": asdict(preset), "precision": stack.precision})
 
     test = list(TEST_SEEDS)[: preset.test_tasks]
-    improver = stack.improver(preset, test)
+    gate = list(TEST_SEEDS)[GATE_OFFSET : GATE_OFFSET + preset.gate_tasks]
+    improver = stack.improver(preset, gate)
     timings: dict[str, float] = {"gateway": time.monotonic() - started}
 
     def timed(stage: str, compute: Callable[[], Any]) -> Any:
@@ -242,7 +253,7 @@ def main(
     try:
         asyncio.run(improver.restore())  # a resumed run: the gateway serves what was live
         console.rule("[bold]2. before: the support agent on the test split")
-        before = timed("before", lambda: _strip(asyncio.run(improver.live_summary()).to_dict()))
+        before = timed("before", lambda: _strip(asyncio.run(improver.live_summary(test)).to_dict()))
 
         cycles: list[CycleReport] = []
         for n in range(1, preset.cycles + 1):
@@ -268,7 +279,7 @@ def main(
             console.rule(f"[bold]5. cycle {n}: after, the same test tasks")
 
             def after(traffic_success: float = traffic_success) -> dict[str, Any]:
-                summary = _strip(asyncio.run(improver.live_summary()).to_dict())
+                summary = _strip(asyncio.run(improver.live_summary(test)).to_dict())
                 cycle = [j.cycle for j in store.jobs(AGENT) if j.stage == "cycle"][-1]
                 return asdict(cycle_report(store, cycle, traffic_success, summary))
 

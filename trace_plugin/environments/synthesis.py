@@ -309,6 +309,21 @@ def _lookups(interface: Interface) -> tuple[list[TaskTemplate], list[Check], lis
     return tasks, checks, needed
 
 
+def _calls(interface: Interface) -> tuple[list[TaskTemplate], list[Check], list[str]]:
+    """Well-formed calls of every kind of tool the agent has: single lookups, a search whose
+    id the next call uses, and an allowed write after its read; each ticket states what the
+    calls need, and the reward is for the right calls, well formed, and the facts told."""
+    lookups, _, looked = _lookups(interface)
+    found, _, searched = _grounding(interface)
+    writes, written = _writes(interface, allowed=True)
+    checks = [
+        Check(kind="valid_calls", weight=0.5),
+        Check(kind="required_calls", weight=2),
+        Check(kind="facts"),
+    ]
+    return lookups + found + writes, checks, looked + searched + written
+
+
 def _grounding(interface: Interface) -> tuple[list[TaskTemplate], list[Check], list[str]]:
     """Find an entity by what the user knows, then use the id the search returned."""
     tasks, needed = [], []
@@ -423,6 +438,7 @@ def _facts(interface: Interface) -> tuple[list[TaskTemplate], list[Check], list[
 
 # family name -> its templates; each capability kind names its family in trace_plugin.mining.kinds
 FAMILIES: dict[FamilyName, Family] = {
+    "calls": _calls,
     "lookups": _lookups,
     "facts": _facts,
     "grounding": _grounding,

@@ -248,10 +248,11 @@ class Improver:
         """Serve the live deployment again on a restarted gateway; None when nothing is live."""
         return await stages.restore(self)
 
-    async def live_summary(self) -> Summary:
-        """The live deployment on the target's held-out tasks, measured once per deployment."""
+    async def live_summary(self, seeds: Sequence[int] | None = None) -> Summary:
+        """The live deployment on the target's held-out tasks (``seeds``, else the gate's),
+        measured once per deployment and set of tasks."""
         live = self.live()
-        seeds = list(self.config.target_seeds)
+        seeds = list(self.config.target_seeds if seeds is None else seeds)
 
         async def measure() -> Summary:
             return evaluation.summary(await self.evaluator("default", seeds))

@@ -12,11 +12,19 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from trace_plugin.chat_template import gate_input
-from trace_plugin.environments.catalog import chat_player, prepare_environment
-from trace_plugin.environments.interpreter import reference_play
+from trace_plugin.environments.base import task_keys
+from trace_plugin.environments.catalog import chat_player, env_factory, prepare_environment
+from trace_plugin.environments.interpreter import SpecEnv, reference_play
 from trace_plugin.environments.validation import Band
 from trace_plugin.gateway.adapters import split_name
-from trace_plugin.improver.config import CALIBRATION_SEEDS_START, CORPUS_SEEDS, GATE_SEEDS, TRAINING_SEEDS
+from trace_plugin.improver.config import (
+    CALIBRATION_SEEDS_START,
+    CORPUS_SEEDS,
+    GATE_SEEDS,
+    HELD_OUT_SEEDS,
+    TRAINING_SEEDS,
+    ImproverConfig,
+)
 from trace_plugin.improver.errors import DeployError, ImproverError
 from trace_plugin.improver.outputs import Deployed, GateFit, Mined, Routing, Synthesized, Trained
 from trace_plugin.mining.miner import OfflineMiner
@@ -125,6 +133,9 @@ def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> 
         training.to_dict(),
         config.model,
         improver.examples(),
+        exclude=sorted(evaluated_task_keys(config, record.spec, improver.store))
+        if training.warm_start_plays
+        else [],
     )
     try:
         [result] = (improver.executor or LocalExecutor()).run([job])
@@ -145,6 +156,17 @@ def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> 
     if noop:
         improver.console.log(f"[yellow]{capability}: no gradient reached its adapter (the base model)[/]")
     return Trained(expert_id, str(output), list(result.reward_curve), list(result.unhinted_curve), noop)
+
+
+def evaluated_task_keys(config: ImproverConfig, spec: EnvSpec, store: Store) -> set[str]:
+    """Every task an evaluation of this cycle plays: the environment's held-out and gate
+    seeds, and the target's tasks. The warm start plays none of them."""
+    keys = task_keys(
+        lambda: SpecEnv(spec), [*HELD_OUT_SEEDS[: config.eval_seeds], *GATE_SEEDS[: config.gate_seeds]]
+    )
+    if config.target is not None and config.target_seeds:
+        keys |= task_keys(env_factory(config.target, store), config.target_seeds)
+    return keys
 
 
 async def load_candidates(improver: Improver, experts: dict[str, str]) -> dict[str, str]:

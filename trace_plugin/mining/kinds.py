@@ -20,7 +20,7 @@ from trace_plugin.mining.detectors import Detector, Role, Trajectory
 from trace_plugin.mining.selection import Label
 
 # The synthesis template families: which tickets and checks exercise a kind.
-FamilyName = Literal["lookups", "facts", "grounding", "preconditions", "refusals", "completion"]
+FamilyName = Literal["calls", "lookups", "facts", "grounding", "preconditions", "refusals", "completion"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,7 @@ KINDS: Mapping[str, CapabilityKind] = {
             "tool_call_format",
             d.tool_call_format,
             "Emits tool calls in the expected format, with arguments that parse and fit.",
-            "lookups",
+            "calls",
             'Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call> only.',
         ),
         CapabilityKind(

@@ -40,11 +40,13 @@ class Expert:
 
     @property
     def learned_unhinted(self) -> bool:
-        """Whether its un-hinted reward ever rose above the first step's. If it never did,
-        the hinted rollouts carried its reward, and it may have learned nothing it can do
-        without a hint, whatever it scores elsewhere."""
+        """Whether its un-hinted reward rose as a trend: the later half of its steps averages
+        more than the earlier half, over at least four steps. One lucky rollout (four a step)
+        is not learning; if it never rose, hinted rollouts and demonstrations carried its
+        reward, and it may have learned nothing it can do alone, whatever it scores elsewhere."""
         values = [v for v in self.unhinted_curve if v is not None]
-        return len(values) > 1 and max(values[1:]) > values[0]
+        half = len(values) // 2
+        return len(values) >= 4 and sum(values[-half:]) > sum(values[:half])
 
     @property
     def adapter_name(self) -> str:
