@@ -107,6 +107,22 @@ async def test_a_rejected_llm_proposal_leaves_the_offline_spec_and_is_reported(p
     assert record.report["proposal"]["accepted"] is False and len(record.report["proposal"]["problems"]) == 3
 
 
+async def test_calibration_plays_the_seeds_and_samples_it_is_given(planted):
+    [capability] = [c for c in planted.capabilities("planted") if c.name == "argument_grounding"]
+    played: list[int] = []
+
+    async def play(env: SpecEnv, seed: int) -> float:
+        played.append(seed)
+        return 0.0
+
+    record = await prepare_environment(
+        planted, "planted", capability, play=play, seeds=range(7, 10), samples=2, band=Band(attempts=1)
+    )
+    assert sorted(played) == [7, 7, 8, 8, 9, 9]  # not calibrate's own default of 8 seeds x 4
+    [attempt] = record.report["calibration"]["attempts"]
+    assert record.status == "out_of_band" and attempt["mean_reward"] == 0.0
+
+
 @pytest.mark.slow
 async def test_calibration_with_the_real_base_model(planted, local_recorder, embedded_backend):
     [capability] = [c for c in planted.capabilities("planted") if c.name == "argument_grounding"]
@@ -128,4 +144,4 @@ async def test_calibration_with_the_real_base_model(planted, local_recorder, emb
     assert record.status == ("validated" if record.report["calibration"]["in_band"] else "out_of_band")
     assert local_recorder.flush(20)
     calibration_episodes = planted.list_episodes("calibration")
-    assert len(calibration_episodes) >= 4  # every sample played through the gateway was recorded
+    assert len(calibration_episodes) == 2 * 2 * len(attempts)  # every sample played was recorded

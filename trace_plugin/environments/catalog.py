@@ -181,7 +181,13 @@ async def prepare_environment(
     status = "validated"
     if play is not None:
         calibrated, calibration = await calibrate(
-            spec, play, hint_fraction=hint_fraction, band=band, progress=progress
+            spec,
+            play,
+            seeds=seeds,
+            samples=samples,
+            hint_fraction=hint_fraction,
+            band=band,
+            progress=progress,
         )
         if calibrated != spec:  # eased or made harder: the policies of the spec stored
             spec, report["policies"] = calibrated, asdict(check_policies(calibrated))
