@@ -364,8 +364,9 @@ def test_a_capability_no_environment_can_exercise_is_passed_over_and_the_next_on
     sqlite_url, monkeypatch
 ):
     """Synthesis that finds nothing to exercise a capability with (a SpecError) no longer
-    ends the cycle: that capability is recorded as unsynthesizable, with the reason, and the
-    next selected one is synthesized and trained."""
+    ends the cycle, nor takes one of its ``max_experts`` places: that capability is recorded
+    as unsynthesizable, with the reason, and the next selected one is synthesized and trained,
+    up to ``max_experts`` of them."""
     from trace_plugin.environments.retail import POLICY, TOOLS
     from trace_plugin.environments.synthesis import synthesize
     from trace_plugin.improver import Mined, Synthesized, Trained, stages
@@ -374,9 +375,9 @@ def test_a_capability_no_environment_can_exercise_is_passed_over_and_the_next_on
 
     store = Store(sqlite_url)
     store.upgrade()
-    names = ["communicating_facts", "tool_call_format"]
+    names = ["communicating_facts", "tool_call_format", "argument_grounding"]
     store.save_capabilities("a", [Capability(n, n, "detector", True, {}, mining_run="r1") for n in names])
-    config = ImproverConfig("a", "http://127.0.0.1:9", store.url, calibrate=False)
+    config = ImproverConfig("a", "http://127.0.0.1:9", store.url, calibrate=False, max_experts=1)
     improver = Improver(store, config)
     monkeypatch.setattr(stages, "mine", lambda _: Mined(selected=names, covered=[], train=names))
 
@@ -432,7 +433,8 @@ def test_each_cycle_mines_the_traffic_its_live_deployment_served(db_url):
     traffic(("competent", "withholds_facts"), range(40, 80), utcnow() + timedelta(seconds=1))
     second = stages.mine(improver)
     assert "communicating_facts" in second.selected and "argument_grounding" not in second.selected
-    assert second.train == second.selected[:1] and second.covered == ["argument_grounding"]
+    # All of them, best first: the cycle trains up to max_experts, passing over any it cannot.
+    assert second.train == second.selected and second.covered == ["argument_grounding"]
 
 
 def test_a_deployed_candidate_is_measured_once_on_the_target(sqlite_url, monkeypatch):

@@ -113,7 +113,7 @@ def cycle_report(store: Store, cycle: str, traffic_success: float, after: dict[s
         cycle=cycle,
         traffic_success=traffic_success,
         mined=mined.selected,
-        trained=mined.train,
+        trained=[j.key for j in store.jobs(AGENT, cycle) if j.stage == "train" and j.status == "done"],
         adapters=dict(deployment.adapters) if deployment else {},
         router=deployment.router.get("kind") if deployment else None,
         deployed=deployed,

@@ -121,6 +121,8 @@ class Improver:
         noops: list[str] = []
         untrained: dict[str, str] = {}  # capability -> why its environment cannot train it
         for capability in mined.train:
+            if len(experts) + len(noops) == self.config.max_experts:
+                break
             env: Synthesized = await self._job(
                 cycle, "synthesize", capability, lambda c=capability: self._synthesize(c)
             )

@@ -49,7 +49,8 @@ class Output:
 
 @dataclass(frozen=True)
 class Mined(Output):
-    """Which capabilities mining selected, which the live deployment covers, which to train."""
+    """Which capabilities mining selected, which the live deployment covers, and the rest,
+    best first: the cycle trains up to ``max_experts`` of them."""
 
     stage: ClassVar[str] = "mine"
     selected: list[str]

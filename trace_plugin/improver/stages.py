@@ -47,16 +47,18 @@ if TYPE_CHECKING:
 
 
 def mine(improver: Improver) -> Mined:
-    """Mine the traffic the live deployment served (all of it before the first), and train
-    the best selected capabilities it lacks: each cycle looks for the improved agent's next
-    deficit, not for the failures an earlier cycle already answered."""
+    """Mine the traffic the live deployment served (all of it before the first), and list
+    the selected capabilities it lacks, best first: each cycle looks for the improved agent's
+    next deficit, not for the failures an earlier cycle already answered. The cycle trains up
+    to ``max_experts`` of them; one whose environment cannot train takes no place."""
     live = improver.live()
     since = live.updated_at if live else None  # when it went live
     capabilities = OfflineMiner(improver.store).mine(improver.config.agent, since=since)
     selected = [c.name for c in capabilities if c.selected]
     covered = set(live.adapters) if live else set()
-    train = [c for c in selected if c not in covered][: improver.config.max_experts]
-    improver.console.log(f"selected {selected or 'nothing'}; training {train or 'nothing'}")
+    train = [c for c in selected if c not in covered]
+    most = improver.config.max_experts
+    improver.console.log(f"selected {selected or 'nothing'}; training up to {most} of {train or 'nothing'}")
     return Mined(selected=selected, covered=sorted(covered), train=train)
 
 
