@@ -331,6 +331,26 @@ def test_easing_never_drops_the_calls_that_are_the_capability(capability):
         assert not spec.difficulty.single_step
 
 
+def test_a_read_tool_that_needs_more_than_its_key_is_not_bound_as_a_lookup():
+    """A lookup passes only the key: bound as one, ``get_ticket(ticket_id, details)`` would be
+    called without ``details`` by the spec's own reference, and the spec rejected."""
+
+    def tool(name: str, *required: str) -> dict:
+        properties = {p: {"type": "string"} for p in required}
+        return {
+            "type": "function",
+            "function": {
+                "name": name,
+                "parameters": {"type": "object", "properties": properties, "required": list(required)},
+            },
+        }
+
+    tools = [tool("get_ticket", "ticket_id", "details"), tool("get_user", "user_id")]
+    spec = synthesize("tool_call_format", tools, system_prompt="Help.")
+    assert spec.tool("get_ticket") is None or spec.tool("get_ticket").behaviour != "lookup"
+    assert check_policies(spec).passed
+
+
 # -- storage -------------------------------------------------------------------------------
 
 

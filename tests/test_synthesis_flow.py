@@ -94,7 +94,31 @@ async def test_a_broken_reward_is_rejected_and_stored_with_its_reasons(planted, 
     monkeypatch.setattr(catalog, "synthesize", backwards)
     record = await prepare_environment(planted, "planted", capability)
     assert record.status == "rejected" and planted.env_spec("argument_grounding-env").status == "rejected"
-    assert any("reference succeeds on 0%" in p for p in record.report["policies"]["problems"])
+    # The family's spec, then the generic one it fell back to: both broken, both reported.
+    assert any("reference succeeds on 0%" in p for p in record.report["fallback"]["family_problems"])
+    assert any("reference succeeds on" in p for p in record.report["policies"]["problems"])
+
+
+async def test_a_family_spec_rejected_by_its_policy_check_falls_back_to_the_generic_family(
+    planted, monkeypatch
+):
+    from trace_plugin.environments import catalog
+    from trace_plugin.environments.synthesis import is_generic
+
+    [capability] = [c for c in planted.capabilities("planted") if c.name == "argument_grounding"]
+    real = catalog.synthesize
+
+    def broken_family(*args, generic=False, **kwargs):  # only the family's spec is broken
+        spec = real(*args, generic=generic, **kwargs)
+        check = Check(kind="order", before="get_user", after="find_user")
+        return spec if generic else spec.model_copy(update={"checks": [check]})
+
+    monkeypatch.setattr(catalog, "synthesize", broken_family)
+    record = await prepare_environment(planted, "planted", capability)
+    assert record.status == "validated" and is_generic(record.spec)
+    assert record.report["fallback"]["to"] == "generic"
+    assert any("reference succeeds on 0%" in p for p in record.report["fallback"]["family_problems"])
+    assert not record.report["policies"]["problems"]
 
 
 async def test_a_rejected_llm_proposal_leaves_the_offline_spec_and_is_reported(planted):

@@ -20,7 +20,7 @@ from trace_plugin.environments.base import Environment, Target
 from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.environments.proposals import Complete, propose
 from trace_plugin.environments.retail import TEST_SEEDS, RetailEnv
-from trace_plugin.environments.synthesis import CapturedInterface, synthesize
+from trace_plugin.environments.synthesis import CapturedInterface, is_generic, synthesize
 from trace_plugin.environments.validation import (
     CALIBRATION_SEEDS,
     DEFAULT_BAND,
@@ -174,6 +174,19 @@ async def prepare_environment(
         "policies": asdict(policies),
         "capability": {"name": capability.name, "mining_run": capability.mining_run},
     }
+    if not policies.passed and not is_generic(spec):
+        # The family's spec is unusable here; the calls themselves still exercise the tools.
+        generic = synthesize(
+            capability.name,
+            captured.tools,
+            system_prompt=captured.system_prompt,
+            observations=captured.observations,
+            description=capability.description,
+            generic=True,
+        )
+        report["fallback"] = {"family_problems": list(policies.problems), "to": "generic"}
+        spec, policies = generic, check_policies(generic)
+        report["policies"] = asdict(policies)
     if proposal is not None:
         report["proposal"] = proposal.to_report()
     if not policies.passed:

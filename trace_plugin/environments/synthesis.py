@@ -156,6 +156,8 @@ class Interface:
         key = f"{noun}_id"
         role = guess_role(name)
         if role == "read" and key in required:
+            if required - {key}:  # a lookup passes the key alone: its call would break the schema
+                return None
             return ToolSpec(schema=schema, behaviour="lookup", table=noun, key=key)
         if role == "read":
             filters = {p: p for p in params if p in self.tables[noun].columns}
@@ -182,12 +184,14 @@ def synthesize(
     observations: Observations | None = None,
     description: str = "",
     hint: str | None = None,
+    generic: bool = False,
 ) -> EnvSpec:
-    """An environment aimed at ``capability`` that keeps the target's tool schemas."""
+    """An environment aimed at ``capability`` that keeps the target's tool schemas; with
+    ``generic``, the generic family's requests whatever the capability's family."""
     interface = Interface(tools, observations or Observations())
     kind = KINDS.get(capability)
     family = FAMILIES[kind.family] if kind is not None else _lookups
-    tasks, checks, needed = family(interface)
+    tasks, checks, needed = ([], [], []) if generic else family(interface)
     bound = [interface.bindings[n] for n in dict.fromkeys(needed)]
     if not tasks:  # tools that follow none of the conventions the family reads: the calls themselves
         tasks, checks, bound = requests(tools, interface.param_column)
@@ -206,6 +210,11 @@ def synthesize(
     spec = spec.model_copy(update={"hint": hint or worked_hint(spec)})
     check_spec(spec)
     return spec
+
+
+def is_generic(spec: EnvSpec) -> bool:
+    """Whether ``spec`` is the generic family's: every tool a stateless ``respond``."""
+    return all(t.behaviour == "respond" for t in spec.tools)
 
 
 def worked_hint(spec: EnvSpec) -> str:
