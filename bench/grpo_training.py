@@ -117,6 +117,7 @@ def run(which: str, steps: int) -> dict:
             rollout_budget=GROUP * steps,
             max_turns=1,
             resample_rounds=0,
+            warm_start_plays=0,  # GRPO's own throughput
             share_prompt=which != "ours_unshared",
             **({"precision": "float32"} if which == "ours_fp32" else {}),
             **common,
@@ -154,6 +155,7 @@ def learning(precision: str, steps: int, seed: int) -> dict:
         precision=precision,  # type: ignore[arg-type]
         seed=seed,
         checkpoint_every=1000,
+        warm_start_plays=0,  # the curve GRPO alone draws
         output_dir=tempfile.mkdtemp() + "/e",
     )
     result = ExpertTrainer(config, NamedAndBrief, list(TRAIN_SEEDS)[:64], progress=False).train()

@@ -25,6 +25,8 @@ def test_demo_measures_before_and_after_each_of_two_cycles_and_writes_its_report
         calibration_attempts=1,
         eval_seeds=1,
         cycles=2,
+        gate_tasks=2,
+        reference_plays=2,
     )
     monkeypatch.setitem(demo.PRESETS, "tiny", tiny)
     home, out = tmp_path / "home", tmp_path / "out"

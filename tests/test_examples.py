@@ -55,7 +55,7 @@ def test_the_function_agent_runs_the_whole_loop_from_its_own_folder(tmp_path):
     home = tmp_path / "run"
     out = run(
         "-m", "function_agent.loop", "--home", str(home), "--traffic", "16", "--tests", "4",
-        "--rollouts", "8", "--eval-seeds", "2", timeout=900,
+        "--rollouts", "8", "--plays", "2", "--eval-seeds", "2", timeout=900,
     )  # fmt: skip
     assert "held-out success on 4 questions: base" in out
     report = json.loads((home / "loop.json").read_text())

@@ -450,11 +450,12 @@ class ExpertTrainer:
                 console=self.console,
             )
             self.warm_start = warm.train(model)
-            # GRPO continues on the warm-started adapter (a fresh base model under it: SFT
-            # wrapped the first one in place). ``peft_config`` would make a new, empty LoRA.
-            base, _ = load_model(self.model_dir, precision=config.precision)
-            model = PeftModel.from_pretrained(base, str(self.warm_start.adapter_dir), is_trainable=True)
-            peft_config = None
+            if self.warm_start is not None:
+                # GRPO continues on the warm-started adapter (a fresh base model under it: SFT
+                # wrapped the first one in place). ``peft_config`` would make a new, empty LoRA.
+                base, _ = load_model(self.model_dir, precision=config.precision)
+                model = PeftModel.from_pretrained(base, str(self.warm_start.adapter_dir), is_trainable=True)
+                peft_config = None
 
         @contextmanager
         def backend(trainer: Any) -> Iterator[Generate]:

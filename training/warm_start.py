@@ -132,17 +132,20 @@ class WarmStartTrainer:
     def plays(self) -> ReferencePlays:
         return reference_plays(self.player, self.seeds, self.config.warm_start_plays, exclude=self.exclude)
 
-    def train(self, model: Any) -> WarmStartResult:
-        """Fine-tune ``model`` (the base model) with the expert's LoRA; returns the adapter."""
+    def train(self, model: Any) -> WarmStartResult | None:
+        """Fine-tune ``model`` (the base model) with the expert's LoRA; returns the adapter,
+        or None when the environment has no play to give (no reference solutions, or none
+        within the turn limit): GRPO then starts from a fresh LoRA, as the paper's does."""
         result_file = self.final_dir / RESULT_FILE
         if result_file.is_file():
             return WarmStartResult(self.final_dir, **json.loads(result_file.read_text()))
         plays = self.plays()
         if not plays.plays:
-            raise ValueError(
-                "no reference play to warm-start from: every seed was unplayable or an evaluated task "
-                f"(leaked {plays.leaked}, repeated {plays.repeated}, unplayable {plays.unplayable})"
+            self.console.log(
+                "[yellow]no reference play to warm-start from[/] (evaluated tasks "
+                f"{plays.leaked}, repeated {plays.repeated}, unplayable {plays.unplayable}): GRPO alone"
             )
+            return None
         trainer = self.build(model, plays)
         self.partial_dir.mkdir(parents=True, exist_ok=True)
         complete = [c for c in self.partial_dir.glob("checkpoint-*") if (c / "trainer_state.json").is_file()]

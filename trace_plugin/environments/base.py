@@ -149,9 +149,13 @@ class Target:
 
     A package offers one under the entry-point group ``trace_plugin.targets`` (the entry
     point names a ``Target`` or a function returning one), or anyone names it as
-    ``package.module:attribute``; ``retail`` is bundled.
+    ``package.module:attribute``; ``retail`` is bundled. A task may carry its reference
+    solution in ``metadata["reference"]`` (OpenAI-style ``{"name", "arguments"}`` calls, with
+    the ``facts`` the answer must tell): warm starts and demonstrations play it.
     """
 
     name: str
     factory: Callable[[], Environment]
     test_seeds: Sequence[int]
+    # Model turns an agent gets per task (its horizon); None leaves the evaluator's default.
+    max_turns: int | None = None

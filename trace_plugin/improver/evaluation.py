@@ -14,7 +14,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from trace_plugin.environments.base import Environment
-from trace_plugin.environments.catalog import env_factory
+from trace_plugin.environments.catalog import env_factory, target_turns
 from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.environments.runner import ChatLoopAgent, EpisodeResult, Runner
 from trace_plugin.environments.synthesis import CapturedInterface
@@ -126,6 +126,7 @@ async def chat_evaluator(improver: Improver, model: str, seeds: Sequence[int]) -
     if config.target is None:
         raise ValueError("target_seeds need a target environment")
     factory: Callable[[], Environment] = env_factory(config.target, improver.store)
+    horizon = target_turns(config.target)
     interface = CapturedInterface.from_store(improver.store, config.agent)
     agent = ChatLoopAgent(
         f"{config.gateway_url}/v1",
@@ -134,6 +135,7 @@ async def chat_evaluator(improver: Improver, model: str, seeds: Sequence[int]) -
         max_tokens=config.max_tokens,
         examples=interface.examples,
         recorder=improver.recorder,
+        **({"max_turns": horizon} if horizon is not None else {}),
     )
     runner = Runner(factory, agent, concurrency=8, recorder=improver.recorder, console=improver.console)
     return await runner.run(seeds, description=f"{config.target} as {model}")

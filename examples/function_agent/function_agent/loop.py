@@ -42,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--traffic", type=int, default=48, help="practice questions played as traffic")
     parser.add_argument("--tests", type=int, default=len(TEST_SEEDS), help="held-out questions")
     parser.add_argument("--rollouts", type=int, default=64, help="GRPO rollouts for the expert")
+    parser.add_argument("--plays", type=int, default=32, help="reference plays the expert is warm-started on")
     parser.add_argument(
         "--eval-seeds", type=int, default=8, help="held-out seeds of the synthesized environment"
     )
@@ -94,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             calibration_attempts=2,  # the second may name the tools in the request
             training={
                 "rollout_budget": args.rollouts,
+                "warm_start_plays": args.plays,
                 "hint_fraction": 0.5,
                 "max_turns": 2,
                 "max_completion_length": 64,
