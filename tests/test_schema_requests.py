@@ -135,8 +135,10 @@ def test_the_reward_gives_partial_credit_per_argument_and_nothing_for_invented_o
     partial = env.reward("done").total
     assert 0.0 < partial < 1.0
     env.reset(seed)
-    env.step(ToolCall(call["name"], wanted))
-    assert env.reward("done").total == 1.0
+    answer = json.loads(env.step(ToolCall(call["name"], wanted)))["result"]
+    assert task.metadata["facts"] == [answer]  # the call's answer is what the user must be told
+    assert env.reward(f"It comes to {answer}.").total == 1.0
+    assert env.reward("done").total < 1.0
     assert argument_credit({**wanted, "extra": 1}, wanted) == len(wanted) / (len(wanted) + 1)
     assert argument_credit({"amount": 7.0}, {"amount": 7}) == 1.0  # a whole float is its integer
     env.reset(seed)

@@ -119,7 +119,7 @@ def test_reference_plays_are_what_serving_renders_token_for_token(tokenizer):
     assert {"lookup", "cancel", "exchange_item", "refuse_return"} <= kinds
 
 
-def test_parallel_calls_are_one_turn_and_no_call_requests_only_answer(tokenizer):
+def test_parallel_calls_are_one_turn_the_answers_are_told_and_no_call_requests_only_answer(tokenizer):
     tools = [
         {
             "type": "function",
@@ -142,6 +142,7 @@ def test_parallel_calls_are_one_turn_and_no_call_requests_only_answer(tokenizer)
         assert play is not None, task.kind
         replies = tokenizer.decode([t for t, m in zip(play.completion_ids, play.env_mask, strict=True) if m])
         seen[task.kind] = (play.turns, replies.count("<tool_call>"))
+        assert all(fact in replies for fact in task.metadata["facts"])  # each call's answer is told
     assert seen["two_calls"] == (2, 2)  # both calls in one turn, then the answer
     assert seen["no_call"] == (1, 0)
     assert all(v == (2, 1) for k, v in seen.items() if k.startswith("call_"))

@@ -85,6 +85,8 @@ class SpecEnv:
             observation = self.step(ToolCall(action["name"], action["arguments"]))
             if observation.startswith('{"error"'):
                 failures.append(f"{action['name']}: {observation}")
+            elif self.spec.tool(action["name"]).behaviour == "respond":
+                facts.append(json.loads(observation)["result"])  # what the call was for: tell it
         self._expected, self.rows = self.rows, initial
         self.calls, self._done, self._creates = [], False, 0
         metadata = {
@@ -175,8 +177,8 @@ class SpecEnv:
         if tool.behaviour == "terminate":
             self._done = True
             return "transferred"
-        if tool.behaviour == "respond":  # a stateless API: any well-formed call succeeds
-            return {"status": "done"}
+        if tool.behaviour == "respond":  # a stateless API: any well-formed call has its answer
+            return {"result": respond_result(tool.name, arguments)}
         table_name = tool.table or ""
         table, key_column = self.rows[table_name], self.spec.tables[table_name].key
         if tool.behaviour in ("lookup", "update"):
@@ -263,7 +265,16 @@ class SpecEnv:
         if check.kind == "final_state":
             return float(self.digest() == self.digest(self._expected))
         facts = self.task.metadata["facts"]  # facts
-        return sum(str(f).lower() in answer.lower() for f in facts) / len(facts) if facts else 1.0
+        if not facts:  # nothing to tell: right, unless the right answer was no call and one was made
+            return 1.0 if reference else float(not self.calls)
+        return sum(str(f).lower() in answer.lower() for f in facts) / len(facts)
+
+
+def respond_result(tool: str, arguments: dict[str, Any]) -> str:
+    """A stateless tool's answer: a number derived from the call, so the same call always
+    gets it and a call with other values almost surely another; the agent must tell it."""
+    digest = hashlib.sha256(f"{tool}:{_normal(arguments)}".encode()).hexdigest()
+    return f"{int(digest[:8], 16) % 100_000 / 100:.2f}"
 
 
 def worked_example(spec: EnvSpec) -> list[dict[str, Any]]:

@@ -8,8 +8,9 @@ Values are sampled by type, honouring enums, ranges and string formats (captured
 replace the defaults where production showed them). Each request offers its tool among a
 few others (distractors, forbidden), a minority of requests fit no offered tool (the right
 answer is no call), and some need two calls in one turn. Tools run as stateless
-``respond`` behaviours, and the reward is the ``arguments`` check: right tool, right values
-and types, no invented parameters, with partial credit per argument.
+``respond`` behaviours whose answer is a number derived from the call, and the reward is the
+``arguments`` check (right tool, right values and types, no invented parameters, with
+partial credit per argument) and the answers told to the user.
 """
 
 from __future__ import annotations
@@ -100,8 +101,9 @@ def requests(
         )
     )
     # No valid_calls check: a well-formed call of a made-up value would earn it, and the
-    # arguments check already gives nothing for a wrong type or an invented parameter.
-    checks = [Check(kind="arguments", weight=3), Check(kind="forbidden")]
+    # arguments check already gives nothing for a wrong type or an invented parameter. Each
+    # call's answer (a number derived from it) is a fact the reply must tell.
+    checks = [Check(kind="arguments", weight=3), Check(kind="forbidden"), Check(kind="facts")]
     specs = [ToolSpec(schema=call.schema, behaviour="respond") for call in calls]
     return tasks, checks, specs
 
