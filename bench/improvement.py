@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import shutil
 import sys
 import time
@@ -72,7 +71,7 @@ from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv 
 from trace_plugin.gateway.adapters import split_name  # noqa: E402
 from trace_plugin.gateway.admin import GatewayAdmin  # noqa: E402
 from trace_plugin.gateway.routing import router_from_spec  # noqa: E402
-from trace_plugin.improver import TRAINING_SEEDS, router_spec  # noqa: E402
+from trace_plugin.improver import TRAINING_SEEDS, bootstrap_interval, paired_gain, router_spec  # noqa: E402
 from trace_plugin.model_files import Precision, torch_dtype  # noqa: E402
 from trace_plugin.records.deployment import Deployment  # noqa: E402
 from trace_plugin.records.env_spec import EnvSpec  # noqa: E402
@@ -117,17 +116,6 @@ def union_hint(specs: list[EnvSpec]) -> Any:
     """Each union task's hint as its own environment's expert gets it (the worked example)."""
     hints = [worked_example(spec) or spec.hint for spec in specs]
     return lambda task: hints[task.seed % len(specs)]
-
-
-def bootstrap(values: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choices(values, k=len(values))) / len(values) for _ in range(n))
-    return means[int(0.025 * n)], means[int(0.975 * n) - 1]
-
-
-def paired_gain(method: list[float], baseline: list[float]) -> tuple[float, float]:
-    """The 95% bootstrap interval of ``method`` minus ``baseline``, resampling tasks as pairs."""
-    return bootstrap([m - b for m, b in zip(method, baseline, strict=True)])
 
 
 def main() -> None:
@@ -348,7 +336,7 @@ def main() -> None:
             table.add_row(name, "—", "—", "no environments")
             figures[name] = None
             continue
-        low, high = bootstrap(values)
+        low, high = bootstrap_interval(values)
         figures[name] = round(sum(values) / len(values), 4)
         table.add_row(name, str(rollouts[name]), f"{figures[name]:.2f}", f"[{low:.2f}, {high:.2f}]")
     console.print(table)

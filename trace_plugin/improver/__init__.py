@@ -24,7 +24,7 @@ deployment's and rolls back when it fell.
 
 from trace_plugin.improver.config import GATE_SEEDS, HELD_OUT_SEEDS, TRAINING_SEEDS, ImproverConfig
 from trace_plugin.improver.errors import DeployError, ImproverError
-from trace_plugin.improver.evaluation import judge, summary
+from trace_plugin.improver.evaluation import bootstrap_interval, judge, paired_gain, summary
 from trace_plugin.improver.loop import Evaluator, Improver
 from trace_plugin.improver.outputs import (
     CycleEnd,
@@ -63,7 +63,9 @@ __all__ = [
     "TargetScores",
     "Trained",
     "Verdict",
+    "bootstrap_interval",
     "judge",
+    "paired_gain",
     "router_spec",
     "summary",
 ]

@@ -9,6 +9,7 @@ take the traffic.
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -139,3 +140,16 @@ async def chat_evaluator(improver: Improver, model: str, seeds: Sequence[int]) -
     )
     runner = Runner(factory, agent, concurrency=8, recorder=improver.recorder, console=improver.console)
     return await runner.run(seeds, description=f"{config.target} as {model}")
+
+
+def bootstrap_interval(values: Sequence[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """The 95% bootstrap interval of the mean of ``values`` (fixed seed: a run prints it again)."""
+    rng = random.Random(seed)
+    values = list(values)
+    means = sorted(sum(rng.choices(values, k=len(values))) / len(values) for _ in range(n))
+    return means[int(0.025 * n)], means[int(0.975 * n) - 1]
+
+
+def paired_gain(method: Sequence[float], baseline: Sequence[float]) -> tuple[float, float]:
+    """The 95% bootstrap interval of ``method`` minus ``baseline``, resampling tasks as pairs."""
+    return bootstrap_interval([m - b for m, b in zip(method, baseline, strict=True)])

@@ -2,10 +2,11 @@
 
 1. serve the embedded model behind trace-plugin's gateway;
 2. run the agent on practice questions as its production traffic (captured by its decorator);
-3. improve once: mine, synthesize, train, route, and gate on the ``functions`` target,
-   which the improver finds by its entry point;
-4. print the agent's success on the held-out questions with the base model and with the
-   improved one, whatever the gate decided.
+3. improve once: mine, synthesize, warm-start and train, route, and gate on practice
+   questions of the ``functions`` target (found by its entry point);
+4. measure the agent on the held-out questions, which the gate never saw, with the base
+   model and with the improved one, whatever the gate decided, and print both with a paired
+   bootstrap interval of the gain; the last line is the result as one JSON object.
 
 Nothing here reaches into trace-plugin's internals: the agent, its suite and this script
 are all the code a team writes.
@@ -30,10 +31,11 @@ from trace_plugin.environments.runner import EpisodeResult, LangGraphAgent, Runn
 from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.embedded import EmbeddedBackend
 from trace_plugin.gateway.server import start_in_thread
-from trace_plugin.improver import Improver, ImproverConfig
+from trace_plugin.improver import Improver, ImproverConfig, paired_gain
 from trace_plugin.store import Store
 
 EVAL_AGENT = f"eval:{AGENT}"  # evaluations are recorded apart, so they never feed mining
+GATE_SEEDS = range(9_000, 9_100)  # practice questions the gate decides on: neither traffic nor held out
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -46,7 +48,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--eval-seeds", type=int, default=8, help="held-out seeds of the synthesized environment"
     )
+    parser.add_argument("--gate", type=int, default=16, help="practice questions the gate decides on")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smaller run: 24 traffic, 16 rollouts and plays"
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        parser.set_defaults(traffic=24, rollouts=16, plays=16, gate=8)
+        args = parser.parse_args(argv)
 
     console = Console()
     args.home.mkdir(parents=True, exist_ok=True)
@@ -87,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             gateway_url=server.url,
             adapter_root=adapters,
             target="functions",
-            target_seeds=test,
+            target_seeds=list(GATE_SEEDS)[: args.gate],
             min_new_episodes=0,
             max_experts=1,
             calibration_seeds=4,
@@ -120,24 +129,42 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         console.print(summarize(traffic, "Captured traffic"))
         console.rule("[bold]improve")
         improver.run_once()
+        decision = store.deployments(AGENT)[-1] if store.deployments(AGENT) else None
+        # The improved agent: its one expert by name (served whatever the gate decided), else
+        # what is live.
+        adapters = list(decision.adapters.values()) if decision else []
+        improved_model = adapters[0] if len(adapters) == 1 else "default"
+        console.rule("[bold]held-out questions")
+        base = asyncio.run(evaluate("base", test))
+        improved = asyncio.run(evaluate(improved_model, test))
     finally:
         server.stop()
         recorder.flush(30)
-    decision = store.deployments(AGENT)[-1] if store.deployments(AGENT) else None
-    target = (decision.evaluation.get("target") if decision else None) or {}
+    base_rewards = [float(r.reward.total == 1.0) for r in sorted(base, key=lambda r: r.seed)]
+    improved_rewards = [float(r.reward.total == 1.0) for r in sorted(improved, key=lambda r: r.seed)]
+    low, high = paired_gain(improved_rewards, base_rewards)
+    experts = store.experts(AGENT)
     report = {
-        "held_out_questions": len(test),
-        "base": (target.get("current") or {}).get("success"),
-        "improved": (target.get("candidate") or {}).get("success"),
-        "adapters": decision.adapters if decision else {},
+        "bench": "function_agent",
+        "quick": args.quick,
+        "n_test_tasks": len(test),
+        "base": sum(base_rewards) / len(test),
+        "improved": sum(improved_rewards) / len(test),
+        "gain_ci_low": low,
+        "gain_ci_high": high,
+        "reference_plays": sum(e.config.get("warm_start_plays", 0) for e in experts),
+        "rollout_budget": sum(e.config["rollout_budget"] for e in experts),
+        "improved_model": improved_model,
         "decision": decision.status if decision else "nothing deployed",
         "reasons": decision.reasons if decision else [],
     }
     console.print(
-        f"held-out success on {len(test)} questions: base {report['base']}, improved {report['improved']} "
-        f"({report['decision']})"
+        f"held-out success on {len(test)} questions: base {report['base']:.2f}, "
+        f"improved {report['improved']:.2f} (gain, 95% CI [{low:+.2f}, {high:+.2f}]; "
+        f"gate: {report['decision']})"
     )
     (args.home / "loop.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: report[k] for k in list(report)[:9]}))
     return report
 
 
