@@ -16,7 +16,16 @@ train-split traffic from the agent as it then is:
    the learned per-layer gate fitted on practice tasks of the synthesized environments
    (``trace_gate``);
 5. the oracle: per test task, the best of the base, every expert and the mixture the
-   improver's router chose.
+   improver's router chose;
+6. ``trace_no_warm_start``: the same cycles, environments and router, each expert retrained
+   by GRPO alone (the paper's form), and ``grpo_target_warm``: GRPO on the target after a
+   warm start on as many of the target's own reference solutions as TRACE's experts had
+   (labels production lacks).
+
+Experts warm-start on their environments' reference plays (counted apart from the rollout
+budget, as ``reference_plays``); GRPO on the target does not. The gate decides on test
+tasks of its own, never on the reported ones. Per expert, the transfer table compares base
+and expert on the test tasks whose base episode its capability's detector labels LACKING.
 
 Success against rollouts used is a curve for both: TRACE's deployed agent after each cycle,
 and GRPO on the target after a third, two thirds and all of its budget (snapshots of its
@@ -59,13 +68,14 @@ from rich.table import Table  # noqa: E402
 from trace_plugin.demo import (  # noqa: E402
     AGENT,
     CYCLE_COLUMNS,
+    GATE_OFFSET,
     PRESETS,
     Preset,
     SupportStack,
     cycle_cells,
     cycle_report,
 )
-from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall  # noqa: E402
+from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall, task_keys  # noqa: E402
 from trace_plugin.environments.interpreter import SpecEnv, worked_example  # noqa: E402
 from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv  # noqa: E402
 from trace_plugin.gateway.adapters import split_name  # noqa: E402
@@ -83,8 +93,12 @@ from training.lora import is_noop  # noqa: E402
 
 # Quick is the demo's (one cycle). The default plays 48 test tasks (six per kind) over two
 # cycles of 64 traffic tasks each (at 48 the mined deficit passed the rule in 7 of 10
-# runs, one short of K), with 24 rollouts per expert.
-BENCH_PRESETS = {"quick": PRESETS["quick"], "default": Preset(48, 64, 24, 2, 4, 2, 5, 8, cycles=2)}
+# runs, one short of K), with 80 rollouts per expert (20 optimizer steps of one group of 4),
+# the gate deciding on 24 other test tasks.
+BENCH_PRESETS = {
+    "quick": PRESETS["quick"],
+    "default": Preset(48, 64, 80, 2, 4, 2, 5, 8, cycles=2, gate_tasks=24),
+}
 RETAIL_TURNS, RETAIL_TOKENS = 6, 96  # the support agent's horizon and reply length, as served
 
 
@@ -166,8 +180,10 @@ def main() -> None:
     )
     store = stack.store
     test = list(TEST_SEEDS)[: preset.test_tasks]
+    gate = list(TEST_SEEDS)[GATE_OFFSET : GATE_OFFSET + preset.gate_tasks]  # never a reported task
+    assert not set(test) & set(gate), "the gate must not decide on the reported tasks"
     try:
-        improver = stack.improver(preset, test)
+        improver = stack.improver(preset, gate)
         asyncio.run(improver.restore())  # a resumed run: the gateway serves what was live
         admin = GatewayAdmin(stack.server.url)
 
@@ -178,9 +194,19 @@ def main() -> None:
             """Per-task results of ``model()``, played once: every row comes from these."""
             return results.get(f"eval-{key}", lambda: success(model()))
 
-        # Before any cycle the live agent is the base model; the improver keeps this
-        # measurement and judges its first candidate against it without playing it again.
-        base = results.get("base", lambda: _successes(asyncio.run(improver.live_summary()).episodes))
+        def serve(router: dict[str, Any], name: str, adapters: Any = ()) -> str:
+            """``router`` as the named candidate router ``router:name``, with the experts
+            behind ``adapters`` (served names) loaded."""
+            paths = {e.adapter_name: e.adapter_path for e in store.experts(AGENT)}
+            for served in adapters:
+                asyncio.run(admin.ensure_adapter(served, paths[served]))
+            asyncio.run(admin.set_router(router, name=name))
+            return f"router:{name}"
+
+        # Before any cycle the live agent is the base model; kept, with its episodes (the
+        # transfer figures read their labels).
+        base_summary = results.get("base-summary", lambda: asyncio.run(improver.live_summary(test)).to_dict())
+        base = _successes(base_summary["episodes"])
 
         def cycle(n: int) -> dict[str, Any]:
             seeds = list(TRAIN_SEEDS)[(n - 1) * preset.traffic_tasks : n * preset.traffic_tasks]
@@ -188,13 +214,17 @@ def main() -> None:
             # Resumes the cycle a killed run left unfinished, once that run's lease has lapsed.
             improver.run_once(wait=2 * improver.config.lease_ttl)
             cycle_id = [j.cycle for j in store.jobs(AGENT) if j.stage == "cycle"][-1]
-            live = _successes(asyncio.run(improver.live_summary()).episodes)
+            live = _successes(asyncio.run(improver.live_summary(test)).episodes)
             after = {"success": sum(live) / len(live)}
             report = cycle_report(store, cycle_id, sum(traffic) / len(traffic), after)
             deployment = _deployment(store, cycle_id)
-            # What the cycle composed, on the test tasks, whether or not it passed the gate.
-            target = deployment.evaluation["target"] if deployment else None
-            candidate = _successes(target["candidate"]["episodes"]) if target else None
+            # What the cycle composed, on the reported test tasks (the gate decided on others),
+            # whether or not it passed the gate.
+            candidate = (
+                success(serve(deployment.router, f"candidate-{n}", deployment.adapters.values()))
+                if deployment is not None
+                else None
+            )
             rollouts = sum(e.config["rollout_budget"] for e in store.experts(AGENT, status="ready"))
             return {"report": asdict(report), "candidate": candidate, "live": live, "rollouts": rollouts}
 
@@ -218,29 +248,75 @@ def main() -> None:
             return stack.adapter_root / name / "1"
 
         def train(
-            name: str, factory: Any, seeds: list[int], hint: Any = None, curve: bool = False, **settings: Any
+            name: str,
+            factory: Any,
+            seeds: list[int],
+            hint: Any = None,
+            curve: bool = False,
+            exclude: Any = (),
+            **settings: Any,
         ) -> str:
             from training.experts import ExpertTrainer
 
             out_dir = adapter_dir(name)
             if not out_dir.is_dir():  # else published by an earlier run (a killed one resumes its checkpoint)
-                config = improver.training_config(output_dir=str(out_dir), rollout_budget=budget, **settings)
+                settings = {"rollout_budget": budget, **settings}
+                config = improver.training_config(output_dir=str(out_dir), **settings)
                 if curve:
                     config = replace(config, snapshots=curve_rollouts(config))
-                console.rule(f"training {name}: {budget} rollouts")
-                ExpertTrainer(config, factory, seeds, hint=hint, examples=improver.examples()).train()
+                console.rule(
+                    f"training {name}: {config.rollout_budget} rollouts, {config.warm_start_plays} plays"
+                )
+                examples = improver.examples()
+                ExpertTrainer(config, factory, seeds, hint=hint, examples=examples, exclude=exclude).train()
             asyncio.run(admin.ensure_adapter(f"{name}@1", str(out_dir)))
             return f"{name}@1"
 
-        # The target's tasks need the agent's whole horizon; its tickets carry no hint.
+        # The target's tasks need the agent's whole horizon; its tickets carry no hint. GRPO
+        # alone, as the paper's baseline; then warm-started on as many of the target's own
+        # reference plays as TRACE's experts had (labels production lacks), none of them a
+        # test or gate task.
+        horizon = {"max_turns": RETAIL_TURNS, "max_completion_length": RETAIL_TOKENS}
         grpo = train(
             "grpo_target",
             RetailEnv,
             list(TRAIN_SEEDS),
             curve=not args.quick,  # two more evaluations: the quick run keeps within its 25 minutes
-            max_turns=RETAIL_TURNS,
-            max_completion_length=RETAIL_TOKENS,
+            warm_start_plays=0,
+            **horizon,
         )
+        from training.experts import ExpertResult
+
+        ready = store.experts(AGENT, status="ready")
+        reference_plays = sum(ExpertResult.load(Path(e.adapter_path)).reference_plays for e in ready)
+        grpo_warm = (
+            train(
+                "grpo_target_warm",
+                RetailEnv,
+                list(TRAIN_SEEDS),
+                warm_start_plays=reference_plays,
+                exclude=task_keys(RetailEnv, [*test, *gate]),
+                **horizon,
+            )
+            if reference_plays
+            else None
+        )
+
+        # TRACE as the paper trains it: the same cycles, environments and router, each expert
+        # retrained by GRPO alone with its own settings.
+        def without_warm_start(served: str) -> str:
+            expert = served_by[served]
+            spec = improver.env_of(expert)
+            settings = {k: v for k, v in expert.config.items() if k not in ("output_dir", "snapshots")}
+            return train(
+                f"nowarm_{expert.capability}",
+                lambda: SpecEnv(spec),
+                list(TRAINING_SEEDS),
+                hint=worked_example(spec) or spec.hint,  # as the improver's executor trains it
+                **{**settings, "warm_start_plays": 0},
+            )
+
+        no_warm = {served: without_warm_start(served) for served in experts.values()}
 
         def grpo_snapshots() -> list[tuple[int, list[float]]]:
             """Per-task results of GRPO's adapter at each rollout count its run kept."""
@@ -300,9 +376,16 @@ def main() -> None:
             else evaluated("trace_classifier", lambda: "router:top1"),
             "trace_mixture": trace,
             "trace_gate": evaluated("trace_gate", lambda: "router:gate") if last is not None else base,
+            "trace_no_warm_start": evaluated(
+                "trace_no_warm_start", lambda: serve(rename_adapters(last.router, no_warm), "no_warm", ())
+            )
+            if last is not None
+            else base,
+            "grpo_target_warm": evaluated("grpo_target_warm", lambda: grpo_warm) if grpo_warm else None,
         }
         options = choices(stack, routers.get("mixture"), experts, by_expert, base, trace, test)
         rows["oracle"] = [max(scores.values()) for scores in options]
+        transfer = expert_transfer(store, base_summary["episodes"], base, by_expert)
         accuracy = {name: router_accuracy(stack, router, options, test) for name, router in routers.items()}
         grpo_points = grpo_snapshots()
     finally:
@@ -311,6 +394,8 @@ def main() -> None:
     rollouts = {
         "base": 0,
         "grpo_target": budget,
+        "grpo_target_warm": budget,
+        "trace_no_warm_start": trace_rollouts,
         "single_union": budget,
         "trace_classifier": trace_rollouts,
         "trace_mixture": trace_rollouts,
@@ -333,7 +418,7 @@ def main() -> None:
     figures: dict[str, Any] = {}
     for name, values in rows.items():
         if values is None:
-            table.add_row(name, "—", "—", "no environments")
+            table.add_row(name, "—", "—", "no environments" if name != "grpo_target_warm" else "no plays")
             figures[name] = None
             continue
         low, high = bootstrap_interval(values)
@@ -345,6 +430,21 @@ def main() -> None:
     for name, (low, high) in gains.items():
         console.print(f"trace_mixture − {name}, paired by task: 95% CI [{low:+.2f}, {high:+.2f}]")
     console.print(f"calibration samples (TRACE's, outside the rollout budget): {calibration_samples}")
+    console.print(
+        f"reference plays (warm starts, outside the rollout budget): {reference_plays} for TRACE's experts"
+    )
+    console.print(
+        "TRACE's experts train with hints (worked examples) and GRPO on the target without: its tickets "
+        "carry none. grpo_target_warm needs the target's reference solutions, labels production lacks."
+    )
+    table = Table(
+        title="Transfer: each expert on the test tasks whose base episode its detector labels LACKING"
+    )
+    for column in ("expert", "tasks", "base", "with the expert"):
+        table.add_column(column)
+    for capability, row in transfer.items():
+        table.add_row(capability, str(row["tasks"]), f"{row['base']:.2f}", f"{row['expert']:.2f}")
+    console.print(table)
     console.print(f"experts: {experts or 'none trained'}; router accuracy against the oracle: {accuracy}")
     console.print(f"{time.monotonic() - started:.0f} s in this run; results kept in {out}")
     # TRACE after each cycle: the live agent then, at the rollouts its experts had used so far;
@@ -377,6 +477,7 @@ def main() -> None:
                 "n_test_tasks": len(test),
                 "cycles": len(cycles),
                 "calibration_samples": calibration_samples,
+                "reference_plays": reference_plays,
                 "gain_vs_base_ci_low": round(gains["base"][0], 4),
                 "gain_vs_base_ci_high": round(gains["base"][1], 4),
                 "gain_vs_grpo_ci_low": round(gains["grpo_target"][0], 4),
@@ -395,6 +496,43 @@ def curve_rollouts(config: ExpertTrainingConfig) -> tuple[int, ...]:
     steps (whole steps, short of the last)."""
     steps = {config.steps * k // 3 for k in (1, 2)} - {0, config.steps}
     return tuple(sorted(step * config.rollouts_per_step for step in steps))
+
+
+def rename_adapters(router: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """``router`` serving other adapters: every adapter it names (served ``name@version`` to
+    the new served name) replaced, everything else (capability labels, corpus) as it was."""
+    bare = {split_name(old)[0]: split_name(new)[0] for old, new in names.items()}
+
+    def walk(value: Any, key: str = "") -> Any:
+        if isinstance(value, dict):
+            return {k: walk(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v, key) for v in value]
+        return bare.get(value, value) if key in ("adapter", "adapters") and isinstance(value, str) else value
+
+    return walk(router)
+
+
+def expert_transfer(
+    store: Any, base_episodes: list[dict[str, Any]], base: list[float], by_expert: dict[str, list[float]]
+) -> dict[str, dict[str, float]]:
+    """Per expert: on the test tasks whose base episode its capability's detector labels
+    LACKING, the base model's success and the expert's (what it carries over to the target)."""
+    from trace_plugin.mining.kinds import label_episode
+    from trace_plugin.mining.selection import Label
+    from trace_plugin.records.trajectory import Trajectory
+
+    stored = {e.id: e for e in store.load_episodes(f"eval:{AGENT}")}
+    labels = [label_episode(Trajectory.from_episode(stored[e["episode_id"]])) for e in base_episodes]
+    out = {}
+    for capability, values in by_expert.items():
+        lacking = [i for i, label in enumerate(labels) if label.get(capability) is Label.LACKING]
+        out[capability] = {
+            "tasks": len(lacking),
+            "base": mean(base[i] for i in lacking) if lacking else 0.0,
+            "expert": mean(values[i] for i in lacking) if lacking else 0.0,
+        }
+    return out
 
 
 def _deployment(store: Any, cycle: str) -> Deployment | None:
