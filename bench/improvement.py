@@ -298,7 +298,7 @@ def main() -> None:
                 exclude=task_keys(RetailEnv, [*test, *gate]),
                 **horizon,
             )
-            if reference_plays
+            if reference_plays and not args.quick  # the quick run skips it: its 25 minutes
             else None
         )
 
@@ -316,7 +316,8 @@ def main() -> None:
                 **{**settings, "warm_start_plays": 0},
             )
 
-        no_warm = {served: without_warm_start(served) for served in experts.values()}
+        # The quick run skips it too.
+        no_warm = {} if args.quick else {served: without_warm_start(served) for served in experts.values()}
 
         def grpo_snapshots() -> list[tuple[int, list[float]]]:
             """Per-task results of GRPO's adapter at each rollout count its run kept."""
@@ -379,8 +380,8 @@ def main() -> None:
             "trace_no_warm_start": evaluated(
                 "trace_no_warm_start", lambda: serve(rename_adapters(last.router, no_warm), "no_warm", ())
             )
-            if last is not None
-            else base,
+            if last is not None and no_warm
+            else None,
             "grpo_target_warm": evaluated("grpo_target_warm", lambda: grpo_warm) if grpo_warm else None,
         }
         options = choices(stack, routers.get("mixture"), experts, by_expert, base, trace, test)
@@ -418,7 +419,7 @@ def main() -> None:
     figures: dict[str, Any] = {}
     for name, values in rows.items():
         if values is None:
-            table.add_row(name, "—", "—", "no environments" if name != "grpo_target_warm" else "no plays")
+            table.add_row(name, "—", "—", "not measured in this run")
             figures[name] = None
             continue
         low, high = bootstrap_interval(values)
