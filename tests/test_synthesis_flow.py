@@ -121,6 +121,27 @@ async def test_a_family_spec_rejected_by_its_policy_check_falls_back_to_the_gene
     assert not record.report["policies"]["problems"]
 
 
+async def test_a_spec_exercises_the_tools_the_failing_traffic_called_first_and_says_how_many(planted):
+    """The generic family exercises at most MAX_CALLED tools: an agent with more than that
+    trains on the ones its failures called, not on the first ones it happens to list."""
+    from dataclasses import replace
+
+    from trace_plugin.environments.schema_requests import MAX_CALLED
+
+    def tool(name: str) -> dict:
+        parameters = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
+        return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+    listed = [tool(f"misc.tool{i}") for i in range(MAX_CALLED)] + [tool("units.convert"), tool("rates.fetch")]
+    planted.tool_schemas = lambda agent: listed
+    [capability] = [c for c in planted.capabilities("planted") if c.name == "argument_grounding"]
+    failing = replace(capability, tools=["rates.fetch", "units.convert"])
+    record = await prepare_environment(planted, "planted", failing)
+    names = [t.name for t in record.spec.tools]
+    assert len(names) == MAX_CALLED and {"units.convert", "rates.fetch"} <= set(names)
+    assert record.report["tools"] == {"exercised": MAX_CALLED, "offered": MAX_CALLED + 2}
+
+
 async def test_a_rejected_llm_proposal_leaves_the_offline_spec_and_is_reported(planted):
     [capability] = [c for c in planted.capabilities("planted") if c.name == "argument_grounding"]
     answers = iter(["not json", '{"name": "x"}', "```json\n{}\n```"])

@@ -166,9 +166,13 @@ async def prepare_environment(
     if it validates, and the report says what happened to it.
     """
     captured = CapturedInterface.from_store(store, agent)
+    # A spec exercises a bounded number of tools (the generic family's MAX_CALLED): those the
+    # failing traffic called come first, so that an agent with many tools trains on its own.
+    failing = {name: i for i, name in enumerate(capability.tools)}
+    tools = sorted(captured.tools, key=lambda t: failing.get(t.get("function", t).get("name"), len(failing)))
     spec: EnvSpec = synthesize(
         capability.name,
-        captured.tools,
+        tools,
         system_prompt=captured.system_prompt,
         observations=captured.observations,
         description=capability.description,
@@ -186,7 +190,7 @@ async def prepare_environment(
         # The family's spec is unusable here; the calls themselves still exercise the tools.
         generic = synthesize(
             capability.name,
-            captured.tools,
+            tools,
             system_prompt=captured.system_prompt,
             observations=captured.observations,
             description=capability.description,
@@ -197,6 +201,7 @@ async def prepare_environment(
         report["policies"] = asdict(policies)
     if proposal is not None:
         report["proposal"] = proposal.to_report()
+    report["tools"] = {"exercised": len(spec.tools), "offered": len(tools)}
     if not policies.passed:
         return store.save_env_spec(agent, spec, "rejected", report)
     status = "validated"
