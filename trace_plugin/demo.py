@@ -71,7 +71,7 @@ class Preset:
     # Retail test tasks the deploy gate decides on: other tasks than the reported ones, so
     # the "after" is not measured on the tasks that let the candidate through.
     gate_tasks: int = 8
-    reference_plays: int = 32  # the warm start's plays per expert, apart from the rollouts
+    reference_plays: int = 48  # the warm start's plays per expert, apart from the rollouts
 
 
 PRESETS = {

@@ -100,6 +100,8 @@ class SpecEnv:
             "parallel": len(reference) > 1
             and all(self.spec.tool(r["name"]).behaviour == "respond" for r in reference),
         }
+        if template.answer:
+            metadata["reference_answer"] = _fill(template.answer, values)
         schemas = {t.name: t.schema_ for t in self.spec.tools}
         tools = [schemas[name] for name in template.tools] or None
         prompt = _fill(template.prompt, values)

@@ -139,6 +139,8 @@ class TaskTemplate(_Model):
     facts: list[str] = Field(default_factory=list, max_length=MAX_ACTIONS)
     forbidden: list[str] = Field(default_factory=list, max_length=MAX_TOOLS)
     tools: list[str] = Field(default_factory=list, max_length=MAX_TOOLS)  # offered; empty: all
+    # What the reference tells the user at the end (placeholders allowed); None: its facts.
+    answer: str | None = Field(None, max_length=MAX_TEXT)
 
     def offers(self, tool: str) -> bool:
         return not self.tools or tool in self.tools
@@ -303,6 +305,7 @@ def _template(spec: EnvSpec, template: TaskTemplate) -> None:
         _name(param_name, f"{where}: param")
         _column(column, f"{where}.{param_name}")
     texts = [template.prompt, *template.facts, *(_strings(a.arguments) for a in template.reference)]
+    texts += [template.answer] if template.answer else []
     for text in texts:
         for slot, column in PLACEHOLDER.findall(text):
             if column:
