@@ -82,6 +82,7 @@ from trace_plugin.gateway.adapters import split_name  # noqa: E402
 from trace_plugin.gateway.admin import GatewayAdmin  # noqa: E402
 from trace_plugin.gateway.routing import router_from_spec  # noqa: E402
 from trace_plugin.improver import TRAINING_SEEDS, bootstrap_interval, paired_gain, router_spec  # noqa: E402
+from trace_plugin.improver.evaluation import lacking_transfer  # noqa: E402
 from trace_plugin.model_files import Precision, torch_dtype  # noqa: E402
 from trace_plugin.records.deployment import Deployment  # noqa: E402
 from trace_plugin.records.env_spec import EnvSpec  # noqa: E402
@@ -386,7 +387,7 @@ def main() -> None:
         }
         options = choices(stack, routers.get("mixture"), experts, by_expert, base, trace, test)
         rows["oracle"] = [max(scores.values()) for scores in options]
-        transfer = expert_transfer(store, base_summary["episodes"], base, by_expert)
+        transfer = lacking_transfer(store, base_summary["episodes"], by_expert, f"eval:{AGENT}")
         accuracy = {name: router_accuracy(stack, router, options, test) for name, router in routers.items()}
         grpo_points = grpo_snapshots()
     finally:
@@ -512,28 +513,6 @@ def rename_adapters(router: dict[str, Any], names: dict[str, str]) -> dict[str, 
         return bare.get(value, value) if key in ("adapter", "adapters") and isinstance(value, str) else value
 
     return walk(router)
-
-
-def expert_transfer(
-    store: Any, base_episodes: list[dict[str, Any]], base: list[float], by_expert: dict[str, list[float]]
-) -> dict[str, dict[str, float]]:
-    """Per expert: on the test tasks whose base episode its capability's detector labels
-    LACKING, the base model's success and the expert's (what it carries over to the target)."""
-    from trace_plugin.mining.kinds import label_episode
-    from trace_plugin.mining.selection import Label
-    from trace_plugin.records.trajectory import Trajectory
-
-    stored = {e.id: e for e in store.load_episodes(f"eval:{AGENT}")}
-    labels = [label_episode(Trajectory.from_episode(stored[e["episode_id"]])) for e in base_episodes]
-    out = {}
-    for capability, values in by_expert.items():
-        lacking = [i for i, label in enumerate(labels) if label.get(capability) is Label.LACKING]
-        out[capability] = {
-            "tasks": len(lacking),
-            "base": mean(base[i] for i in lacking) if lacking else 0.0,
-            "expert": mean(values[i] for i in lacking) if lacking else 0.0,
-        }
-    return out
 
 
 def _deployment(store: Any, cycle: str) -> Deployment | None:

@@ -47,11 +47,15 @@ def test_demo_measures_before_and_after_each_of_two_cycles_and_writes_its_report
         "gateway",
         "before",
         *(f"{stage} {n}" for stage in ("traffic", "improve", "after") for n in (1, 2)),
+        "transfer",
         "total",
     }
     store = Store(f"sqlite:///{home / 'trace.db'}")
     traffic = store.load_episodes(AGENT)
     assert len(traffic) == 8  # two cycles of 4, recorded by the decorated agent as deployed, with rewards
+    # Each expert alone on the reported tasks its capability was lacking in (at most both).
+    ready = {e.capability for e in store.experts(AGENT, status="ready")}
+    assert set(report["transfer"]) == ready and all(0 <= t["tasks"] <= 2 for t in report["transfer"].values())
     played = len(store.list_episodes(EVAL_AGENT, limit=1000))
     again = demo.main("tiny", home=home, out=out)  # a finished run reports again, playing nothing
     assert again["cycles"] == report["cycles"] and again["before"] == report["before"]

@@ -38,6 +38,7 @@ from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv
 from trace_plugin.environments.runner import EpisodeResult, LangGraphAgent, Runner, summarize
 from trace_plugin.errors import TracePluginError
 from trace_plugin.improver import Improver, ImproverConfig
+from trace_plugin.improver.evaluation import lacking_transfer, live_key
 from trace_plugin.improver.outputs import Mined
 from trace_plugin.model_files import Precision
 from trace_plugin.records.job import job_id
@@ -284,6 +285,20 @@ def main(
                 return asdict(cycle_report(store, cycle, traffic_success, summary))
 
             cycles.append(CycleReport(**timed(f"after-{n}", after)))
+
+        def transfer() -> dict[str, Any]:
+            """Each expert alone on the reported tasks its capability was lacking in before."""
+            before_job = store.job(job_id("evaluations", "target", live_key(None, test)))
+            assert before_job is not None and before_job.outputs is not None
+            by_expert = {}
+            for expert in store.experts(AGENT, status="ready"):
+                asyncio.run(improver.gateway.ensure_adapter(expert.adapter_name, expert.adapter_path))
+                results = asyncio.run(stack.evaluate(expert.adapter_name, test))
+                by_expert[expert.capability] = [float(reward_succeeds(r.reward.total)) for r in results]
+            return lacking_transfer(store, before_job.outputs["episodes"], by_expert, EVAL_AGENT)
+
+        console.rule("[bold]6. transfer: each expert on the test tasks its capability was lacking in")
+        transferred = timed("transfer", transfer)
     finally:
         stack.stop()
 
@@ -323,6 +338,7 @@ def main(
             }
             for e in store.experts(AGENT)
         ],
+        "transfer": transferred,
         "decisions": [
             asdict(d) | {"created_at": str(d.created_at), "updated_at": str(d.updated_at)}
             for d in store.deployments(AGENT)
@@ -407,6 +423,12 @@ def _print(console: Console, report: dict[str, Any]) -> None:
     for n, c in enumerate(report["cycles"], 1):
         cycles.add_row(str(n), *cycle_cells(c))
     console.print(cycles)
+    transfer = Table(title="Transfer: each expert on the test tasks whose base episode its capability lacked")
+    for column in ("expert", "tasks", "base", "with the expert"):
+        transfer.add_column(column)
+    for capability, row in report.get("transfer", {}).items():
+        transfer.add_row(capability, str(row["tasks"]), f"{row['base']:.2f}", f"{row['expert']:.2f}")
+    console.print(transfer)
     for d in report["decisions"]:
         console.print(f"deployment {d['id']}: {d['status']} {'; '.join(d['reasons'])}")
 
@@ -453,6 +475,17 @@ def markdown(report: dict[str, Any]) -> str:
             for e in report["experts"]
         ),
         *(f"- deployment {d['id']}: {d['status']} {'; '.join(d['reasons'])}" for d in report["decisions"]),
+        "",
+        "## Transfer",
+        "",
+        "Each expert alone on the test tasks whose base episode its capability's detector labels LACKING.",
+        "",
+        "| expert | tasks | base | with the expert |",
+        "|---|---:|---:|---:|",
+        *(
+            f"| {c} | {row['tasks']} | {row['base']:.2f} | {row['expert']:.2f} |"
+            for c, row in report.get("transfer", {}).items()
+        ),
         "",
         f"Stage times (s): {report['seconds']}",
         "",

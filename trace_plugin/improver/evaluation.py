@@ -26,6 +26,7 @@ from trace_plugin.records.outcome import reward_succeeds
 
 if TYPE_CHECKING:
     from trace_plugin.improver.loop import Improver
+    from trace_plugin.store import Store
 
 
 async def evaluate(improver: Improver, cycle: str, experts: dict[str, str], routing: Routing) -> Evaluation:
@@ -153,3 +154,34 @@ def bootstrap_interval(values: Sequence[float], n: int = 2000, seed: int = 0) ->
 def paired_gain(method: Sequence[float], baseline: Sequence[float]) -> tuple[float, float]:
     """The 95% bootstrap interval of ``method`` minus ``baseline``, resampling tasks as pairs."""
     return bootstrap_interval([m - b for m, b in zip(method, baseline, strict=True)])
+
+
+def lacking_transfer(
+    store: Store,
+    base_episodes: Sequence[Mapping[str, Any]],
+    by_expert: Mapping[str, Sequence[float]],
+    agent: str,
+) -> dict[str, dict[str, float]]:
+    """What each expert carries over to the target: on the tasks whose base episode its
+    capability's detector labels LACKING, the base model's success and the expert's.
+
+    ``base_episodes`` are a target summary's episodes (``Summary.episodes``, recorded as
+    ``agent``); ``by_expert`` maps a capability to its expert's success per task, in the
+    same order."""
+    from trace_plugin.mining.kinds import label_episode
+    from trace_plugin.mining.selection import Label
+    from trace_plugin.records.trajectory import Trajectory
+
+    stored = {e.id: e for e in store.load_episodes(agent)}
+    labels = [label_episode(Trajectory.from_episode(stored[e["episode_id"]])) for e in base_episodes]
+    base = [float(reward_succeeds(e["reward"])) for e in base_episodes]
+    out = {}
+    for capability, values in by_expert.items():
+        lacking = [i for i, label in enumerate(labels) if label.get(capability) is Label.LACKING]
+        n = max(len(lacking), 1)
+        out[capability] = {
+            "tasks": len(lacking),
+            "base": sum(base[i] for i in lacking) / n,
+            "expert": sum(values[i] for i in lacking) / n,
+        }
+    return out
