@@ -320,21 +320,19 @@ def _lookups(interface: Interface) -> tuple[list[TaskTemplate], list[Check], lis
 
 def _calls(interface: Interface) -> tuple[list[TaskTemplate], list[Check], list[str]]:
     """Well-formed calls of every kind of tool the agent has: single lookups, a search whose
-    id the next call uses, a write after its read, and the same write refused where the
-    row's state forbids it (so that calling is never right by itself); each ticket states
-    what the calls need, and the reward is for the right calls, well formed, no forbidden
-    write, and the facts told."""
+    id the next call uses, and a write after its read; each ticket states what the calls
+    need, and the reward is for the right calls, well formed, and the facts told. (Refusals
+    are the ``refusals`` family's: mixed in here, a small model learned to refuse every
+    request, 0.25 → 0.25 on the demo's gate tasks.)"""
     lookups, _, looked = _lookups(interface)
     found, _, searched = _grounding(interface)
     writes, written = _writes(interface, allowed=True)
-    refusals, _ = _writes(interface, allowed=False)
     checks = [
         Check(kind="valid_calls", weight=0.5),
         Check(kind="required_calls", weight=2),
-        Check(kind="forbidden"),
         Check(kind="facts"),
     ]
-    return lookups + found + writes + refusals, checks, looked + searched + written
+    return lookups + found + writes, checks, looked + searched + written
 
 
 def _grounding(interface: Interface) -> tuple[list[TaskTemplate], list[Check], list[str]]:
@@ -413,7 +411,9 @@ def _writes(interface: Interface, *, allowed: bool) -> tuple[list[TaskTemplate],
                 reference=[read, write] if allowed else [read],
                 facts=[] if allowed else ["{x.status}"],
                 forbidden=[] if allowed else [writer.name],
-                answer=None if allowed else f"I cannot {verb} {noun} {{x.{table.key}}}: it is {{x.status}}.",
+                answer=f"Your {noun} {{x.{table.key}}} is {past_tense(verb)}."
+                if allowed
+                else f"I cannot {verb} {noun} {{x.{table.key}}}: it is {{x.status}}.",
             )
         )
         needed += [lookup.name, writer.name]
