@@ -118,28 +118,38 @@ def test_the_cli_takes_a_registered_target(plugin, tmp_path):
     assert refused.exit_code == 2 and "has no 'nothing'" in refused.output
 
 
-async def test_the_improvers_gate_evaluates_a_registered_target(plugin, tmp_path):
-    """The improver's target evaluation (what its gate compares) plays the plugin's held-out
-    tasks through the gateway, here a scripted model that answers with the right number."""
+async def evaluate_scripted(reply: str, target: str, seeds: list[int], tmp_path) -> tuple[list, list[str]]:
+    """The improver's target evaluation through a gateway whose model always says ``reply``:
+    the results, and every prompt the model was asked."""
     from test_gateway_hostile import ScriptedBackend
     from transformers import AutoTokenizer
 
     from trace_plugin.gateway.app import GatewayConfig, create_app
     from trace_plugin.gateway.server import start_in_thread
     from trace_plugin.improver import Improver, ImproverConfig
-    from trace_plugin.improver.evaluation import chat_evaluator, summary
+    from trace_plugin.improver.evaluation import chat_evaluator
     from trace_plugin.model_files import prepare_tokenizer, resolve_model
     from trace_plugin.store import Store
 
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(resolve_model(None), local_files_only=True))
-    backend = ScriptedBackend(tokenizer, f"That is {round(900 % 50 * 0.621, 2)} miles.")
+    backend = ScriptedBackend(tokenizer, reply)
     store = Store(f"sqlite:///{tmp_path / 'gate.db'}")
     store.upgrade()
     with start_in_thread(
         create_app(backend, config=GatewayConfig(adapter_root=tmp_path, record=False))
     ) as server:
-        config = ImproverConfig("a", server.url, store.url, target="units", target_seeds=[900, 901])
-        results = await chat_evaluator(Improver(store, config), "base", [900, 901])
+        config = ImproverConfig("a", server.url, store.url, target=target, target_seeds=seeds)
+        results = await chat_evaluator(Improver(store, config), "base", seeds)
+    return results, backend.prompts
+
+
+async def test_the_improvers_gate_evaluates_a_registered_target(plugin, tmp_path):
+    """The improver's target evaluation (what its gate compares) plays the plugin's held-out
+    tasks through the gateway, here a scripted model that answers with the right number."""
+    from trace_plugin.improver.evaluation import summary
+
+    reply = f"That is {round(900 % 50 * 0.621, 2)} miles."
+    results, _ = await evaluate_scripted(reply, "units", [900, 901], tmp_path)
     assert [(r.seed, r.kind) for r in results] == [(900, "convert"), (901, "convert")]
     assert summary(results).success == 0.5  # the scripted answer is right for 900 only
 
@@ -148,28 +158,10 @@ async def test_the_target_evaluation_gives_the_agent_the_horizon_its_target_stat
     """A model that always calls a tool plays exactly the target's turns, not the evaluator's 8."""
     import dataclasses
 
-    from test_gateway_hostile import ScriptedBackend
-    from transformers import AutoTokenizer
-
     from trace_plugin.environments import catalog
-    from trace_plugin.gateway.app import GatewayConfig, create_app
-    from trace_plugin.gateway.server import start_in_thread
-    from trace_plugin.improver import Improver, ImproverConfig
-    from trace_plugin.improver.evaluation import chat_evaluator
-    from trace_plugin.model_files import prepare_tokenizer, resolve_model
-    from trace_plugin.store import Store
 
-    monkeypatch.setitem(
-        catalog.BUNDLED, "retail", dataclasses.replace(catalog.BUNDLED["retail"], max_turns=3)
-    )
-    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(resolve_model(None), local_files_only=True))
+    retail = dataclasses.replace(catalog.BUNDLED["retail"], max_turns=3)
+    monkeypatch.setitem(catalog.BUNDLED, "retail", retail)
     call = '<tool_call>\n{"name": "get_order", "arguments": {"order_id": "#W1"}}\n</tool_call>'
-    backend = ScriptedBackend(tokenizer, call)
-    store = Store(f"sqlite:///{tmp_path / 'horizon.db'}")
-    store.upgrade()
-    with start_in_thread(
-        create_app(backend, config=GatewayConfig(adapter_root=tmp_path, record=False))
-    ) as server:
-        config = ImproverConfig("a", server.url, store.url, target="retail", target_seeds=[10_000, 10_001])
-        await chat_evaluator(Improver(store, config), "base", [10_000, 10_001])
-    assert len(backend.prompts) == 2 * 3
+    _, prompts = await evaluate_scripted(call, "retail", [10_000, 10_001], tmp_path)
+    assert len(prompts) == 2 * 3

@@ -159,7 +159,7 @@ class ExpertTrainingConfig:
         """
         vllm = self.backend == "vllm"
         return dict(
-            output_dir=str(work_dir),
+            **self._trainer_kwargs(work_dir),
             max_steps=self.steps,
             per_device_train_batch_size=self.num_generations,
             gradient_accumulation_steps=self.groups_per_step,
@@ -174,16 +174,6 @@ class ExpertTrainingConfig:
             num_iterations=1,
             loss_type="dapo",
             scale_rewards="group",
-            bf16=False,  # no autocast: the weights are already in ``precision``
-            use_cpu=not _cuda_available(),
-            activation_checkpointing=self.gradient_checkpointing,
-            seed=self.seed,
-            logging_steps=1,
-            save_strategy="steps",
-            save_steps=self.checkpoint_every,
-            save_total_limit=2,
-            report_to="none",
-            disable_tqdm=True,  # our own progress bar shows the reward
             remove_unused_columns=False,
             log_completions=False,
             use_vllm=vllm,
@@ -192,6 +182,38 @@ class ExpertTrainingConfig:
             generation_kwargs={"bad_words": list(REPLY_FORBIDDEN)} if vllm else None,
             # Our rollouts return no sampling log-probs (hinted ones were sampled under another prompt).
             vllm_importance_sampling_correction=False,
+        )
+
+    def sft_config(self, work_dir: Path, max_length: int) -> Any:
+        """TRL's ``SFTConfig`` for the warm start: its epochs, batch and learning rate, and
+        ``max_length`` the longest play (TRL's default of 1024 truncates from the end)."""
+        from trl import SFTConfig
+
+        return SFTConfig(
+            **self._trainer_kwargs(work_dir),
+            num_train_epochs=self.warm_start_epochs,
+            per_device_train_batch_size=self.warm_start_batch_size,
+            learning_rate=self.warm_start_learning_rate,
+            lr_scheduler_type="constant",
+            max_length=max_length,
+        )
+
+    def _trainer_kwargs(self, work_dir: Path) -> dict[str, Any]:
+        """What both trainers share: precision, device, checkpoints, quiet logs."""
+        return dict(
+            output_dir=str(work_dir),
+            bf16=False,  # no autocast: the weights are already in ``precision``
+            use_cpu=not _cuda_available(),
+            # Explicit: TRL's SFT default recomputes activations, which also turns off the
+            # key/value cache the shared prompt passes need.
+            activation_checkpointing=self.gradient_checkpointing,
+            seed=self.seed,
+            logging_steps=1,
+            save_strategy="steps",
+            save_steps=self.checkpoint_every,
+            save_total_limit=2,
+            report_to="none",
+            disable_tqdm=True,  # our own progress bars show reward and loss
         )
 
 

@@ -54,7 +54,6 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import PrinterCallback, TrainerCallback
 
 from trace_plugin.environments.base import Environment, Task
@@ -64,6 +63,7 @@ from trace_plugin.records.outcome import reward_succeeds
 from training.config import ExpertTrainingConfig
 from training.episodes import EpisodePlayer, Generate, HintValue, Rollout, hf_generate
 from training.lora import ADAPTER_WEIGHTS
+from training.progress import StepProgress
 from training.warm_start import WARM_START_DIR, WarmStartResult, WarmStartTrainer
 
 Hint = HintValue | Callable[[Task], HintValue | None]
@@ -399,7 +399,7 @@ class ExpertTrainer:
             )
         checkpoint = self._resumable_checkpoint()
         trainer = self._build()
-        bar = _ProgressBar(self.console, self.config.steps) if self.progress else None
+        bar = _ProgressBar(self.console) if self.progress else None
         if bar is not None:
             trainer.add_callback(bar)
         with bar or nullcontext():
@@ -545,41 +545,22 @@ class _Snapshots(TrainerCallback):
             staging.rename(final)
 
 
-class _ProgressBar(TrainerCallback):
-    """A rich bar with the step's mean reward, and one log line per step."""
+class _ProgressBar(StepProgress):
+    """GRPO's bar with the step's mean reward, and one log line per step."""
 
-    def __init__(self, console: Console, total: int) -> None:
-        columns = (
-            TextColumn("GRPO"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("reward {task.fields[reward]}"),
-            TimeElapsedColumn(),
-        )
-        self.progress = Progress(*columns, console=console)
-        self.task = self.progress.add_task("train", total=total, reward="-")
-        self._start = time.monotonic()
-
-    def __enter__(self) -> _ProgressBar:
-        self.progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.progress.stop()
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.progress.update(self.task, completed=state.global_step)
+    def __init__(self, console: Console) -> None:
+        super().__init__(console, "GRPO", "reward")
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
     ) -> None:
         if not logs or "reward" not in logs:
             return
-        elapsed, self._start = time.monotonic() - self._start, time.monotonic()
         reward = logs.get("episodes/reward", logs["reward"])  # sampled rollouts only, demonstrations apart
-        self.progress.update(self.task, completed=state.global_step, reward=f"{reward:.2f}")
         unhinted = logs.get("episodes/unhinted_reward")
-        self.progress.console.log(
+        self.step(
+            state,
+            reward,
             f"step {state.global_step}/{state.max_steps}  reward {reward:.3f}"
             + (f"  unhinted {unhinted:.3f}" if unhinted is not None else "")
             + f"  success {logs.get('episodes/success', 0.0):.2f}"
@@ -587,8 +568,7 @@ class _ProgressBar(TrainerCallback):
             + f" (resampled {logs.get('dynamic_sampling/resampled_groups', 0):.0f},"
             + f" demonstrated {logs.get('dynamic_sampling/demonstrations', 0):.0f},"
             + f" dropped {logs.get('dynamic_sampling/dropped_groups', 0):.0f})"
-            + (f"  entropy {logs['entropy']:.2f}" if "entropy" in logs else "")
-            + f"  {elapsed:.1f}s"
+            + (f"  entropy {logs['entropy']:.2f}" if "entropy" in logs else ""),
         )
 
 

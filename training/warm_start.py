@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import time
 from collections.abc import Collection, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -34,12 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import PrinterCallback, TrainerCallback
 
 from trace_plugin.environments.base import offered_tools, task_key
 from training.config import ExpertTrainingConfig
 from training.episodes import EpisodePlayer, Rollout
+from training.progress import StepProgress
 
 WARM_START_DIR = "warm_start"  # the warm-started adapter, inside the expert's work directory
 RESULT_FILE = "warm_start.json"
@@ -174,34 +173,14 @@ class WarmStartTrainer:
     def build(self, model: Any, plays: ReferencePlays) -> Any:
         """TRL's ``SFTTrainer`` over the plays' ids, with the expert's own LoRA config."""
         from datasets import Dataset
-        from trl import SFTConfig
 
-        config = self.config
-        args = SFTConfig(
-            output_dir=str(self.partial_dir),
-            num_train_epochs=config.warm_start_epochs,
-            per_device_train_batch_size=config.warm_start_batch_size,
-            learning_rate=config.warm_start_learning_rate,
-            lr_scheduler_type="constant",
-            max_length=plays.longest,  # never truncate: the replies sit at the end
-            # TRL's default recomputes activations, and turns off the cache the opening is shared through.
-            gradient_checkpointing=config.gradient_checkpointing,
-            bf16=False,  # no autocast: the weights are already in the config's precision
-            use_cpu=not _cuda_available(),
-            seed=config.seed,
-            logging_steps=1,
-            save_strategy="steps",
-            save_steps=config.checkpoint_every,
-            save_total_limit=2,
-            report_to="none",
-            disable_tqdm=True,
-        )
+        args = self.config.sft_config(self.partial_dir, plays.longest)  # never truncated
         trainer = _shared_opening_trainer()(
             model=model,
             args=args,
             train_dataset=Dataset.from_dict(plays.rows()),
             processing_class=self.player.tokenizer,
-            peft_config=config.lora_config(),
+            peft_config=self.config.lora_config(),
             callbacks=self.callbacks,
         )
         trainer.remove_callback(PrinterCallback)
@@ -263,47 +242,21 @@ def _shared_opening_trainer() -> type:
     return SharedOpeningSFTTrainer
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-class _Progress(TrainerCallback):
-    """A rich bar over the warm start's optimizer steps, and one log line per step with its loss."""
+class _Progress(StepProgress):
+    """The warm start's bar with the step's loss, and one log line per step."""
 
     def __init__(self, console: Console, plays: int) -> None:
-        columns = (
-            TextColumn(f"warm start ({plays} plays)"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"),
-            TimeElapsedColumn(),
-        )
-        self.progress = Progress(*columns, console=console)
-        self.task = self.progress.add_task("sft", total=None, loss="-")
-        self._start = time.monotonic()
-
-    def __enter__(self) -> _Progress:
-        self.progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.progress.stop()
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.progress.update(self.task, total=state.max_steps, completed=state.global_step)
+        super().__init__(console, f"warm start ({plays} plays)", "loss")
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
     ) -> None:
         if not logs or "loss" not in logs:
             return
-        elapsed, self._start = time.monotonic() - self._start, time.monotonic()
-        self.progress.update(self.task, completed=state.global_step, loss=f"{logs['loss']:.3f}")
         accuracy = logs.get("mean_token_accuracy")
-        self.progress.console.log(
+        self.step(
+            state,
+            logs["loss"],
             f"warm start step {state.global_step}/{state.max_steps}  loss {logs['loss']:.3f}"
-            + (f"  token accuracy {accuracy:.3f}" if accuracy is not None else "")
-            + f"  {elapsed:.1f}s"
+            + (f"  token accuracy {accuracy:.3f}" if accuracy is not None else ""),
         )
