@@ -531,3 +531,30 @@ def test_a_relative_adapter_root_is_made_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = ImproverConfig("a", "http://127.0.0.1:9", "adapters")
     assert config.adapter_root == tmp_path.resolve() / "adapters"
+
+
+def test_transfer_compares_base_and_expert_on_the_tasks_whose_capability_the_base_lacked(sqlite_url):
+    """``lacking_transfer`` reads each base episode's detector labels: an expert is judged on
+    the tasks where its capability was LACKING, not on all of them."""
+    from trace_plugin.environments.planted import corpus
+    from trace_plugin.improver.evaluation import lacking_transfer
+    from trace_plugin.mining.detectors import Trajectory
+    from trace_plugin.mining.kinds import label_episode
+    from trace_plugin.mining.selection import Label
+
+    store = Store(sqlite_url)
+    store.upgrade()
+    episodes = corpus(list(range(6)), ("competent", "invents_ids"))
+    for e in episodes:
+        e.agent = "eval:a"
+    store.write([r for e in episodes for r in (e, *e.steps)])
+    summary = [{"episode_id": e.id, "reward": e.reward} for e in episodes]
+    lacking = [
+        i
+        for i, e in enumerate(episodes)
+        if label_episode(Trajectory.from_episode(e))["argument_grounding"] is Label.LACKING
+    ]
+    assert 0 < len(lacking) < len(episodes)
+    expert = [1.0 if i in lacking else 0.0 for i in range(len(episodes))]  # right exactly there
+    [row] = lacking_transfer(store, summary, {"argument_grounding": expert}, "eval:a").values()
+    assert row == {"tasks": len(lacking), "base": 0.0, "expert": 1.0}

@@ -21,6 +21,9 @@ from trace_plugin.environments.runner import ChatLoopAgent, EpisodeResult, Runne
 from trace_plugin.environments.synthesis import CapturedInterface
 from trace_plugin.improver.config import HELD_OUT_SEEDS
 from trace_plugin.improver.outputs import Evaluation, Routing, Scores, Summary, TargetScores, Verdict
+from trace_plugin.mining.detectors import Trajectory
+from trace_plugin.mining.kinds import label_episode
+from trace_plugin.mining.selection import Label
 from trace_plugin.records.env_spec import EnvSpec
 from trace_plugin.records.outcome import reward_succeeds
 
@@ -168,10 +171,6 @@ def lacking_transfer(
     ``base_episodes`` are a target summary's episodes (``Summary.episodes``, recorded as
     ``agent``); ``by_expert`` maps a capability to its expert's success per task, in the
     same order."""
-    from trace_plugin.mining.kinds import label_episode
-    from trace_plugin.mining.selection import Label
-    from trace_plugin.records.trajectory import Trajectory
-
     stored = {e.id: e for e in store.load_episodes(agent)}
     labels = [label_episode(Trajectory.from_episode(stored[e["episode_id"]])) for e in base_episodes]
     base = [float(reward_succeeds(e["reward"])) for e in base_episodes]
