@@ -22,8 +22,8 @@ step) and says so.
 
 ``--shape improver`` trains each run as the CPU does instead (the ``cpu-small`` preset: one
 group of 4 rollouts a step, so a budget buys optimizer steps, not bigger groups): the expert
-with the demo's improver's settings (``trace_plugin.demo.EXPERT_TRAINING``: three turns of
-48 tokens), GRPO on the target with the agent's horizon, as ``bench/improvement.py`` trains
+with the demo's improver's settings (``trace_plugin.demo.EXPERT_TRAINING``: three turns),
+GRPO on the target with the agent's horizon, as ``bench/improvement.py`` trains
 both; snapshots at 24 and 48 rollouts (the demo's budget per expert, the bench's for GRPO).
 
     python scripts/gpu_budget_check.py [--model DIR] [--budget N] [--out DIR] [--deadline-s S]

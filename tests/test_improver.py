@@ -558,3 +558,35 @@ def test_transfer_compares_base_and_expert_on_the_tasks_whose_capability_the_bas
     expert = [1.0 if i in lacking else 0.0 for i in range(len(episodes))]  # right exactly there
     [row] = lacking_transfer(store, summary, {"argument_grounding": expert}, "eval:a").values()
     assert row == {"tasks": len(lacking), "base": 0.0, "expert": 1.0}
+
+
+def test_an_expert_trains_with_the_reply_length_its_environments_reference_plays_need(sqlite_url, tmp_path):
+    """Not the preset's fixed guess: the stage derives it from the environment, as
+    calibration and held-out play do (``evaluation.reply_tokens``)."""
+    from trace_plugin.environments.interpreter import reply_budget
+    from trace_plugin.environments.retail import POLICY, TOOLS
+    from trace_plugin.environments.synthesis import synthesize
+    from trace_plugin.improver import Synthesized, stages
+    from trace_plugin.model_files import load_tokenizer
+
+    store = Store(sqlite_url)
+    store.upgrade()
+    spec = synthesize("tool_call_format", TOOLS, system_prompt=POLICY)
+    record = store.save_env_spec("a", spec, "validated", {})
+    jobs: list = []
+
+    class Captured(Exception):
+        pass
+
+    class Capture:
+        def run(self, given: list) -> list:
+            jobs.extend(given)
+            raise Captured
+
+    config = ImproverConfig("a", "http://127.0.0.1:9", tmp_path, training={"max_completion_length": 48})
+    improver = Improver(store, config, executor=Capture())
+    env = Synthesized(env=spec.name, version=record.version, status="validated")
+    with pytest.raises(Captured):
+        stages.train(improver, "c1", "tool_call_format", env)
+    [job] = jobs
+    assert job.config["max_completion_length"] == reply_budget(spec, load_tokenizer()) > 48

@@ -298,3 +298,39 @@ def test_a_killed_warm_start_resumes_and_grpo_continues_from_its_adapter(tmp_pat
     final = load_file(expert.adapter_dir / ADAPTER_WEIGHTS)
     assert not is_noop(expert.adapter_dir) and warm.keys() == final.keys()
     assert all((warm[k] == final[k]).all() for k in warm)
+
+
+def test_a_reply_may_take_as_many_tokens_as_the_environments_longest_reference_reply(tokenizer):
+    """One source for the completion length of training, calibration and held-out play:
+    the environment's reference plays. A nested schema's call runs past the 48 tokens the
+    demo used to allow."""
+    from trace_plugin.environments.interpreter import reply_budget
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "shipment": {
+                "type": "object",
+                "properties": {
+                    "origin_postcode": {"type": "string", "format": "email"},
+                    "destination_postcode": {"type": "string", "format": "uri"},
+                    "declared_value": {"type": "number", "minimum": 1000, "maximum": 9000},
+                },
+                "required": ["origin_postcode", "destination_postcode", "declared_value"],
+            },
+            "service_level": {"type": "string", "enum": ["overnight-express", "standard-ground"]},
+        },
+        "required": ["shipment", "service_level"],
+    }
+    tools = [{"type": "function", "function": {"name": "logistics.quoteShipment", "parameters": schema}}]
+    spec = synthesize("tool_selection", tools, system_prompt="Quote shipments.")
+    budget = reply_budget(spec, tokenizer)
+    player = EpisodePlayer(tokenizer, lambda: SpecEnv(spec), max_turns=3, max_observation_chars=800)
+    longest = 0
+    for seed in range(32):
+        play = player.reference(seed)
+        run = 0
+        for bit in play.env_mask:  # each reply is a run of model tokens, EOS included
+            run = run + 1 if bit else 0
+            longest = max(longest, run)
+    assert 48 < longest <= budget <= longest + longest // 4 + 8

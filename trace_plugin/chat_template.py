@@ -54,6 +54,23 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str,
     )
 
 
+def assistant_text(tokenizer: Any, message: dict[str, Any]) -> str:
+    """What a model writes for the assistant ``message`` after the generation prompt, up to
+    (not including) EOS: the template's own rendering of it, so training and serving agree."""
+    head = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}],
+        chat_template=TOOL_CHAT_TEMPLATE,
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    full = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}, message], chat_template=TOOL_CHAT_TEMPLATE, tokenize=False
+    )
+    if not full.startswith(head):
+        raise ValueError("the chat template renders an assistant turn unlike its generation prompt")
+    return full[len(head) : full.rindex(tokenizer.eos_token)]
+
+
 def forbidden_token_ids(tokenizer: Any, words: tuple[str, ...] = REPLY_FORBIDDEN) -> list[list[int]]:
     """``words`` as token sequences for transformers' ``bad_words_ids``."""
     return [tokenizer(word, add_special_tokens=False).input_ids for word in words]

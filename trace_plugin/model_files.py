@@ -12,6 +12,7 @@ is an error that names it.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -112,6 +113,14 @@ def load_model(model_dir: str | Path, *, precision: Precision = "float32") -> tu
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return model, prepare_tokenizer(tokenizer)
+
+
+@functools.cache
+def load_tokenizer(model_dir: str | Path | None = None) -> Any:
+    """The model's tokenizer alone, set up as :func:`load_model` sets it up (cached)."""
+    from transformers import AutoTokenizer
+
+    return prepare_tokenizer(AutoTokenizer.from_pretrained(resolve_model(model_dir), local_files_only=True))
 
 
 def prepare_tokenizer(tokenizer: Any) -> Any:

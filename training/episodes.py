@@ -15,8 +15,14 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
-from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE, forbidden_token_ids, render
-from trace_plugin.environments.base import Environment, ToolCall, offered_tools
+from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE, assistant_text, forbidden_token_ids, render
+from trace_plugin.environments.base import (
+    Environment,
+    ToolCall,
+    offered_tools,
+    reference_answer,
+    reference_turns,
+)
 from trace_plugin.generation import TemperatureSampler, generate_batch, shared_prefix, until_eos
 from trace_plugin.records.outcome import reward_succeeds
 from trace_plugin.tool_calls import parse_completion
@@ -136,7 +142,7 @@ class EpisodePlayer:
         calls = task.metadata.get("reference")
         if calls is None or not task.metadata.get("satisfiable", True):
             return None
-        turns = [calls] if task.metadata.get("parallel") and calls else [[c] for c in calls]
+        turns = reference_turns(task.metadata)
         answer = reference_answer(task.metadata)
         if len(turns) + (answer is not None) > self.max_turns:
             return None
@@ -163,14 +169,9 @@ class EpisodePlayer:
         return rollout if reward_succeeds(rollout.reward) else None
 
     def _assistant_ids(self, message: dict[str, Any]) -> list[int]:
-        """An assistant message as the model writes it after the generation prompt, EOS
-        included: the template's own rendering of it, less the newline the template puts
-        after EOS (serving's prompt holds that newline, so the model never writes it)."""
-        head = self._template([{"role": "user", "content": "x"}], True)
-        full = self._template([{"role": "user", "content": "x"}, message], False)
-        if not full.startswith(head):
-            raise ValueError("the chat template renders an assistant turn unlike its generation prompt")
-        text = full[len(head) : full.rindex(self.tokenizer.eos_token)]
+        """An assistant message as the model writes it, EOS included (not the newline the
+        template puts after EOS: serving's prompt holds it, so the model never writes it)."""
+        text = assistant_text(self.tokenizer, message)
         return [*self.tokenizer(text, add_special_tokens=False)["input_ids"], self.eos]
 
     @staticmethod
@@ -205,20 +206,6 @@ class EpisodePlayer:
             add_generation_prompt=generation_prompt,
             tokenize=False,
         )
-
-
-def reference_answer(metadata: dict[str, Any]) -> str | None:
-    """What a reference play tells the user at the end: the task's own answer when it gives
-    one (``reference_answer``), else the facts the user must be told, or a plain close.
-    None for a task whose calls end it (no message follows)."""
-    if "reference_answer" in metadata:
-        return metadata["reference_answer"]
-    facts = [str(f) for f in metadata.get("facts") or []]
-    if facts:
-        return f"Here is what I found: {'; '.join(facts)}."
-    return (
-        "Done: your request is complete." if metadata.get("reference") else "Hello! How can I help you today?"
-    )
 
 
 _DUMMY_CALL = {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": {}}]}

@@ -106,6 +106,27 @@ def offered_tools(env: Environment, task: Task) -> list[dict[str, Any]]:
     return env.tools if task.tools is None else task.tools
 
 
+def reference_turns(metadata: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """A task's reference calls as an agent makes them: one turn each, or all in one turn
+    where the task says they are independent (``parallel``)."""
+    calls = metadata.get("reference") or []
+    return [calls] if metadata.get("parallel") and calls else [[c] for c in calls]
+
+
+def reference_answer(metadata: dict[str, Any]) -> str | None:
+    """What a reference play tells the user at the end: the task's own answer when it gives
+    one (``reference_answer``; None there: the calls end the task, no message follows), else
+    the facts the user must be told, or a plain close."""
+    if "reference_answer" in metadata:
+        return metadata["reference_answer"]
+    facts = [str(f) for f in metadata.get("facts") or []]
+    if facts:
+        return f"Here is what I found: {'; '.join(facts)}."
+    return (
+        "Done: your request is complete." if metadata.get("reference") else "Hello! How can I help you today?"
+    )
+
+
 def task_key(prompt: str, tools: list[dict[str, Any]] | None) -> str:
     """What makes two tasks the same to a model: the request and the tools it offers.
 

@@ -126,6 +126,11 @@ def chat_player(base_url: str, model: str, *, agent: str, temperature: float = 1
     from trace_plugin.records.trajectory import new_episode_id
 
     examples = list(options.pop("examples", ()))
+    # A reply's length: a number, or one per environment (from its reference plays).
+    max_tokens = options.pop("max_tokens", None)
+
+    def length(env: SpecEnv) -> int | None:
+        return max_tokens(env.spec) if callable(max_tokens) else max_tokens
 
     async def play(env: SpecEnv, seed: int) -> float:
         assert env.task is not None
@@ -136,6 +141,7 @@ def chat_player(base_url: str, model: str, *, agent: str, temperature: float = 1
             temperature=temperature,
             examples=[*examples, *env.hint_messages],
             **options,
+            **({"max_tokens": tokens} if (tokens := length(env)) else {}),
         )
         try:
             answer = await loop.solve(env, env.task, new_episode_id())

@@ -16,9 +16,18 @@ import hashlib
 import json
 import random
 import re
+from collections.abc import Sequence
 from typing import Any
 
-from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall, argument_problem
+from trace_plugin.chat_template import assistant_text
+from trace_plugin.environments.base import (
+    RewardBreakdown,
+    Task,
+    ToolCall,
+    argument_problem,
+    reference_answer,
+    reference_turns,
+)
 from trace_plugin.errors import TracePluginError
 from trace_plugin.records.env_spec import PLACEHOLDER, Check, Column, EnvSpec, TaskTemplate, ToolSpec
 
@@ -295,6 +304,24 @@ def worked_example(spec: EnvSpec) -> list[dict[str, Any]]:
             "tool_calls": [{"id": "hint", "type": "function", "function": call}],
         },
     ]
+
+
+def reply_budget(spec: EnvSpec, tokenizer: Any, seeds: Sequence[int] = range(32)) -> int:
+    """Tokens a model needs for one reply in ``spec``: the longest reply of its reference
+    plays on ``seeds`` (a turn's calls as the template writes them, or the answer to the
+    user), EOS included, with a quarter to spare. The one source of the completion length
+    for training, calibration and held-out play: real schemas' calls run past any fixed
+    guess (a median of 50 SmolLM2 tokens where the demo allowed 48)."""
+    longest = 0
+    for seed in seeds:
+        metadata = SpecEnv(spec).reset(seed).metadata
+        turns = reference_turns(metadata)
+        texts = [assistant_text(tokenizer, {"role": "assistant", "tool_calls": t}) for t in turns]
+        answer = reference_answer(metadata)
+        texts += [answer] if answer else []
+        for text in texts:
+            longest = max(longest, len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 1)
+    return longest + longest // 4 + 8
 
 
 def reference_play(spec: EnvSpec, seed: int) -> tuple[str, str] | None:

@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 from trace_plugin.environments.base import Environment
 from trace_plugin.environments.catalog import env_factory, target_turns
-from trace_plugin.environments.interpreter import SpecEnv
+from trace_plugin.environments.interpreter import SpecEnv, reply_budget
 from trace_plugin.environments.runner import ChatLoopAgent, EpisodeResult, Runner
 from trace_plugin.environments.synthesis import CapturedInterface
-from trace_plugin.improver.config import HELD_OUT_SEEDS
+from trace_plugin.improver.config import HELD_OUT_SEEDS, ImproverConfig
 from trace_plugin.improver.outputs import Evaluation, Routing, Scores, Summary, TargetScores, Verdict
 from trace_plugin.mining.detectors import Trajectory
 from trace_plugin.mining.kinds import label_episode
 from trace_plugin.mining.selection import Label
+from trace_plugin.model_files import load_tokenizer
 from trace_plugin.records.env_spec import EnvSpec
 from trace_plugin.records.outcome import reward_succeeds
 
@@ -105,6 +106,12 @@ def mean_reward(results: Sequence[EpisodeResult]) -> float:
     return sum(r.reward.total for r in results) / len(results)
 
 
+def reply_tokens(config: ImproverConfig, spec: EnvSpec) -> int:
+    """How many tokens a reply in ``spec`` may take: from its reference plays, in the served
+    model's tokens. One source for calibration, training and held-out play."""
+    return reply_budget(spec, load_tokenizer(config.model))
+
+
 async def play_spec(
     improver: Improver, spec: EnvSpec, model: str, seeds: Sequence[int]
 ) -> list[EpisodeResult]:
@@ -114,7 +121,7 @@ async def play_spec(
         f"{config.gateway_url}/v1",
         model,
         agent=f"eval:{config.agent}",
-        max_tokens=config.max_tokens,
+        max_tokens=reply_tokens(config, spec),  # as the expert was trained
         max_turns=config.expert_training.max_turns,  # the horizon the expert was trained on
         examples=improver.examples(),
         recorder=improver.recorder,

@@ -26,6 +26,7 @@ from trace_plugin.improver.config import (
     ImproverConfig,
 )
 from trace_plugin.improver.errors import DeployError, ImproverError
+from trace_plugin.improver.evaluation import reply_tokens
 from trace_plugin.improver.outputs import Deployed, GateFit, Mined, Routing, Synthesized, Trained
 from trace_plugin.mining.miner import OfflineMiner
 from trace_plugin.records.deployment import Deployment
@@ -80,7 +81,7 @@ async def synthesize(improver: Improver, capability: str) -> Synthesized:
                 f"{config.gateway_url}/v1",
                 "base",
                 agent=f"calibration:{config.agent}",
-                max_tokens=training.max_completion_length,  # as training will generate
+                max_tokens=lambda spec: reply_tokens(config, spec),  # as training will generate
                 max_turns=training.max_turns,
                 examples=improver.examples(),
                 recorder=improver.recorder,
@@ -117,7 +118,10 @@ def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> 
         raise ImproverError(f"environment {env.env} v{env.version} is not in the store")
     expert_id = derived_id(cycle, capability)
     output = config.adapter_root / capability / expert_id
-    training = improver.training_config(output_dir=str(output))
+    # A reply's length comes from the environment's reference plays, as calibration's did.
+    training = improver.training_config(
+        output_dir=str(output), max_completion_length=reply_tokens(config, record.spec)
+    )
     expert = store.expert(expert_id) or Expert(
         config.agent,
         capability,

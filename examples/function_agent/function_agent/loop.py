@@ -107,7 +107,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "warm_start_plays": args.plays,
                 "hint_fraction": 0.5,
                 "max_turns": 2,
-                "max_completion_length": 64,
             },
             eval_seeds=args.eval_seeds,
         ),
