@@ -176,9 +176,8 @@ def main() -> None:
     (out / "settings.json").write_text(json.dumps(settings))
     console = Console(width=None if sys.stdout.isatty() else 160)  # a log keeps whole table cells
     started = time.monotonic()
-    stack = SupportStack(
-        out / "stack", console, fresh=not (out / "results" / "base.json").is_file(), precision=precision
-    )
+    begun = (out / "results" / "base-summary.json").is_file()  # a run to resume, its stack kept
+    stack = SupportStack(out / "stack", console, fresh=not begun, precision=precision)
     store = stack.store
     test = list(TEST_SEEDS)[: preset.test_tasks]
     gate = list(TEST_SEEDS)[GATE_OFFSET : GATE_OFFSET + preset.gate_tasks]  # never a reported task
