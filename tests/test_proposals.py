@@ -25,7 +25,7 @@ def scripted(*answers: str):
 
 
 def test_a_valid_improvement_is_accepted_after_garbage_is_retried():
-    base = synthesize("tool_call_format", TOOLS, system_prompt=POLICY)
+    base = synthesize("tool_selection", TOOLS, system_prompt=POLICY)  # single lookups
     better = json.loads(base.to_json())
     key = base.tables[base.tasks[0].slots["x"].table].key
     better["tasks"][0]["prompt"] = f"Quick question: what's the status of {{x.{key}}}?"
@@ -37,7 +37,7 @@ def test_a_valid_improvement_is_accepted_after_garbage_is_retried():
 
 
 def test_hostile_or_broken_proposals_are_rejected_and_the_caller_keeps_the_offline_spec():
-    base = synthesize("tool_call_format", TOOLS, system_prompt=POLICY)
+    base = synthesize("tool_selection", TOOLS, system_prompt=POLICY)  # single lookups
     data = json.loads(base.to_json())
     invented = json.loads(base.to_json())
     invented["tools"][0]["schema"]["function"]["name"] = "run_shell"
@@ -56,7 +56,7 @@ def test_hostile_or_broken_proposals_are_rejected_and_the_caller_keeps_the_offli
 
 
 def test_a_failing_provider_is_a_problem_not_a_crash():
-    base = synthesize("tool_call_format", TOOLS, system_prompt=POLICY)
+    base = synthesize("tool_selection", TOOLS, system_prompt=POLICY)  # single lookups
 
     def broken(messages, schema):
         raise ConnectionError("provider unreachable")
@@ -69,10 +69,10 @@ def test_a_failing_provider_is_a_problem_not_a_crash():
 
 
 def test_a_proposal_may_use_other_tools_of_the_target():
-    base = synthesize("tool_call_format", TOOLS, system_prompt=POLICY)
+    base = synthesize("tool_selection", TOOLS, system_prompt=POLICY)  # single lookups
     other = synthesize("argument_grounding", TOOLS, system_prompt=POLICY)  # find_user, get_user
-    complete, _ = scripted(other.model_copy(update={"capability": "tool_call_format"}).to_json())
+    complete, _ = scripted(other.model_copy(update={"capability": "tool_selection"}).to_json())
     assert propose(base, "format", complete).spec is None  # find_user is not among base's tools
-    complete, _ = scripted(other.model_copy(update={"capability": "tool_call_format"}).to_json())
+    complete, _ = scripted(other.model_copy(update={"capability": "tool_selection"}).to_json())
     accepted = propose(base, "format", complete, tools=TOOLS).spec
     assert accepted is not None and {t.name for t in accepted.tools} == {"find_user", "get_user"}
