@@ -104,8 +104,7 @@ class EpisodePlayer:
             still = []
             for i, ids in zip(active, outputs, strict=True):
                 rollout, env = rollouts[i], envs[i]
-                rollout.completion_ids += ids
-                rollout.env_mask += [1] * len(ids)
+                self._append(rollout, ids, 1)
                 rollout.turns = turn
                 stopped = bool(ids) and ids[-1] == self.eos
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -116,11 +115,7 @@ class EpisodePlayer:
                 observations = [self._observe(env, call) for call in parsed.tool_calls]
                 if env.done or turn == self.max_turns:
                     continue  # ended by the environment, or out of turns: no final message
-                suffix = self.tokenizer(self._tool_suffix(observations), add_special_tokens=False)[
-                    "input_ids"
-                ]
-                rollout.completion_ids += suffix
-                rollout.env_mask += [0] * len(suffix)
+                self._append(rollout, self._tool_suffix(observations), 0)
                 still.append(i)
             active = still
         for rollout, env in zip(rollouts, envs, strict=True):
@@ -155,11 +150,7 @@ class EpisodePlayer:
             rollout.turns += 1
             if env.done or (i == len(turns) - 1 and answer is None):
                 break
-            self._append(
-                rollout,
-                self.tokenizer(self._tool_suffix(observations), add_special_tokens=False)["input_ids"],
-                0,
-            )
+            self._append(rollout, self._tool_suffix(observations), 0)
         else:
             if answer is not None:
                 self._append(rollout, self._assistant_ids({"role": "assistant", "content": answer}), 1)
@@ -192,12 +183,12 @@ class EpisodePlayer:
             observation = observation[: self.max_observation_chars] + "…"
         return observation
 
-    def _tool_suffix(self, observations: list[str]) -> str:
-        """The template's text between an assistant turn's EOS and the next assistant turn."""
+    def _tool_suffix(self, observations: list[str]) -> list[int]:
+        """The template's tokens between an assistant turn's EOS and the next assistant turn."""
         tools = [{"role": "tool", "content": o} for o in observations]
         full = self._template([{"role": "user", "content": "x"}, _DUMMY_CALL, *tools], True)
         end = self._tool_head.rindex(self.tokenizer.eos_token) + len(self.tokenizer.eos_token)
-        return full[end:]
+        return self.tokenizer(full[end:], add_special_tokens=False)["input_ids"]
 
     def _template(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
