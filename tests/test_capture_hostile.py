@@ -17,8 +17,8 @@ from typing_extensions import TypedDict
 
 import trace_plugin
 from trace_plugin import Recorder
-from trace_plugin.payload import encode, to_jsonable
-from trace_plugin.records.trajectory import Step
+from trace_plugin.payload import encode, encode_now, shape
+from trace_plugin.records.trajectory import EpisodeEnd, Feedback, Step
 from trace_plugin.store.store import fit_string
 from trace_plugin.tracer import Tracer
 
@@ -74,14 +74,14 @@ def stored(rec: Recorder, agent: str):
 
 
 @pytest.mark.timeout(120)
-def test_a_self_referential_mapping_is_named_and_the_writer_goes_on(local_recorder):
+def test_a_self_referential_mapping_is_marked_and_the_writer_goes_on(local_recorder):
     loop = Loop()
     graph = trace_plugin.capture(agent="loop", recorder=local_recorder)(graph_returning(loop))
     graph.invoke({"question": "q"})
     [episode] = stored(local_recorder, "loop")
     assert episode.status == "completed"
     [node] = [s for s in episode.steps if s.kind == "node"]
-    cycle = {"__type__": "Loop", "repr": repr(loop)}
+    cycle = {"__ref__": "/thing"}  # where the payload holds it first
     assert node.output == {"thing": {"a": cycle, "b": cycle}}
     # the writer is free: a later, ordinary episode is stored too
     trace_plugin.capture(agent="after", recorder=local_recorder)(graph_returning(1)).invoke({})
@@ -96,20 +96,64 @@ def test_a_self_referential_list_keeps_its_step_and_the_episode_end(local_record
     with caplog.at_level(logging.WARNING, logger="trace_plugin"):
         graph.invoke({"question": "q"})
         [episode] = stored(local_recorder, "list-loop")
-    assert episode.status == "completed" and '"__type__": "list"' in json.dumps(episode.output)
+    assert episode.status == "completed" and '"__ref__"' in json.dumps(episode.output)
     assert [s.name for s in episode.steps if s.kind == "node"] == ["make"]
     assert local_recorder.dropped == 0 and "queue full" not in caplog.text
 
 
-@pytest.mark.timeout(60)
-def test_values_shared_along_exponentially_many_paths_are_bounded():
-    out = encode(Chain(64))  # a Mapping: the C encoder refuses it, so the walk does it all
-    assert out is not None and "__type__" in out and len(out) < 50_000_000
-    shared: list = []
-    for _ in range(64):
-        shared = [shared, shared]
-    walked = json.dumps(to_jsonable(shared))  # past the node budget the rest is named, not walked
-    assert '"__type__": "list"' in walked and len(walked) < 50_000_000
+def diamond(levels: int) -> dict[str, Any]:
+    """No cycle, but 2^levels paths: each level's two keys share one child."""
+    node: dict[str, Any] = {"leaf": "x" * 100}
+    for _ in range(levels):
+        node = {"left": node, "right": node}
+    return node
+
+
+@pytest.mark.parametrize("levels", [24, 60])
+def test_shaping_a_value_shared_along_exponentially_many_paths_costs_one_step_per_object(levels):
+    value = diamond(levels)
+    shaped = shape(value)
+    assert not shaped.cut and shaped.nodes == levels + 1  # each object once
+    assert shaped.value["right"] == {"__ref__": "/left"}
+    assert len(json.dumps(shaped.value)) < 20_000  # pointers grow with depth, and depth is capped at 64
+    assert shape(Chain(levels // 2)).nodes == levels // 2 + 1  # a Mapping, which orjson refuses: the same
+
+
+def test_a_string_referenced_many_times_is_shaped_up_to_the_budget_only():
+    big = "y" * 1_000_000
+    shaped = shape([big] * 300, max_bytes=1_000_000)
+    assert shaped.cut and shaped.nodes == 1
+    assert len(shaped.value) == 1 and len(shaped.value[0]) <= 1_000_000  # then the walk stopped
+    redactions: list[int] = []
+    redacted = shape([big] * 300, max_bytes=10_000, redact=lambda s: redactions.append(len(s)) or s)
+    assert redacted.cut and sum(redactions) <= 10_000  # the redactor saw no more than is kept
+    stored = json.loads(encode([big] * 300, max_bytes=10_000))
+    assert stored["__truncated__"] is True and stored["bytes"] > 1_000_000 and len(stored["preview"]) < 10_000
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("levels", [26, 60])
+def test_capture_of_a_shared_dag_blocks_nothing_and_loses_nothing(levels, local_recorder):
+    """At 26 levels orjson's whole dump raised MemoryError and dropped records; at 60 the OS
+    killed the process. Now the agent's thread looks at 10 000 objects at most and the
+    writer shapes each object once."""
+    graph = trace_plugin.capture(agent="dag", recorder=local_recorder)(graph_returning(diamond(levels)))
+    graph.invoke({"question": "q"})
+    [episode] = stored(local_recorder, "dag")
+    assert episode.status == "completed" and local_recorder.dropped == 0
+    [node] = [s for s in episode.steps if s.kind == "node"]
+    thing = node.output["thing"]
+    assert thing["right"] == {"__ref__": "/thing/left"}
+    for _ in range(levels - 1):
+        thing = thing["left"]
+    assert thing["left"] == {"leaf": "x" * 100}
+
+
+def test_the_agents_thread_hands_a_shared_or_oversized_payload_to_the_writer_unread():
+    assert encode_now({"a": [1, "two", None]}) == '{"a":[1,"two",null]}'
+    assert encode_now(diamond(60)) is None  # shared: the writer's walk shapes it
+    assert encode_now({"x": "y" * 2_000}, max_bytes=1_000) is None  # over the budget, not dumped whole
+    assert encode_now([[i] for i in range(20_000)]) is None  # past the 10 000 objects it looks at
 
 
 # -- the episode's end is always recorded ------------------------------------------------
@@ -126,6 +170,63 @@ def test_a_reward_that_is_no_number_is_a_scoring_error_not_a_lost_end(value, loc
     assert episode.status == "completed" and episode.reward is None
     assert episode.error.startswith("scoring failed")
     assert "reward" in caplog.text and "queue full" not in caplog.text
+
+
+def stop(exc: type[BaseException]):
+    def raising(*_: Any) -> None:
+        raise exc("stopped")
+
+    return raising
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_a_reward_function_that_stops_the_process_still_ends_its_episode(exc, local_recorder):
+    graph = trace_plugin.capture(agent="stopped", recorder=local_recorder, reward=stop(exc))(
+        build("create_agent", model_for(("get_order", {"order_id": "O-1"})))
+    )
+    with pytest.raises(exc):  # it goes on up, as Python intends
+        graph.invoke(user("where is O-1?"))
+    [episode] = stored(local_recorder, "stopped")
+    assert episode.status == "error" and episode.error == f"{exc.__name__}: stopped"
+    assert episode.reward is None and episode.ended_at is not None
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_a_tool_that_stops_the_process_ends_its_episode_the_same_way(exc, local_recorder):
+    @tool
+    def get_order(order_id: str) -> str:
+        """Look up an order."""
+        stop(exc)()
+
+    graph = trace_plugin.capture(agent="tool-stopped", recorder=local_recorder)(
+        build("create_agent", model_for(("get_order", {"order_id": "O-1"})), tools=[get_order])
+    )
+    with pytest.raises(exc):
+        graph.invoke(user("where is O-1?"))
+    [episode] = stored(local_recorder, "tool-stopped")
+    assert episode.status == "error" and episode.error == f"{exc.__name__}: stopped"
+
+
+@pytest.mark.parametrize("value", [1.5, -3])
+def test_a_reward_outside_0_1_is_refused_and_the_record_says_why(value, local_recorder):
+    """One rule wherever a reward comes in: refused, never clamped, and the reason kept."""
+    graph = trace_plugin.capture(agent="out-of-range", recorder=local_recorder, reward=lambda state: value)(
+        build("create_agent", model_for(("get_order", {"order_id": "O-1"})))
+    )
+    graph.invoke(user("where is O-1?"))
+    [episode] = stored(local_recorder, "out-of-range")
+    assert episode.status == "completed" and episode.reward is None
+    assert episode.error == f"scoring failed: the reward {float(value)!r} is outside [0, 1]"
+    with pytest.raises(ValueError, match=r"outside \[0, 1\]"):
+        trace_plugin.feedback(episode.id, reward=value)
+    # Another producer (an environment of one's own, say) submitting such a record directly:
+    local_recorder.submit(Feedback(episode.id, reward=value, source="environment"))
+    local_recorder.submit(EpisodeEnd(episode.id, "completed", reward=value))
+    assert local_recorder.flush(15)
+    [fb] = local_recorder.store.feedback_for(episode.id)
+    assert fb.reward is None and fb.comment == f"reward refused: the reward {value!r} is outside [0, 1]"
+    again = local_recorder.store.get_episode(episode.id)
+    assert again.reward is None and again.error.endswith(f"reward refused: the reward {value!r} is outside [0, 1]")
 
 
 # -- one corpus, two backends, the same rows -----------------------------------------------

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace_plugin.payload import Lazy, Shaped, clip_text, encode, make_redactor, redact_pii, to_jsonable
+from trace_plugin.payload import Lazy, Shaped, clip_text, encode, make_redactor, redact_pii, shape
 
 
 @dataclass
@@ -35,7 +35,7 @@ def test_to_jsonable_keeps_types_it_can_and_names_the_rest():
         "bad": BadRepr(),
         "lazy": Lazy(lambda raw: raw.upper(), "later"),
     }
-    out = to_jsonable(value)
+    out = shape(value).value
     assert out["1"] == {"x": 1, "y": 2.5}
     assert out["when"] == "2026-01-02T00:00:00+00:00"
     assert out["tags"] == ["a"] and out["blob"] == {"__type__": "bytes", "length": 2}
@@ -46,10 +46,18 @@ def test_to_jsonable_keeps_types_it_can_and_names_the_rest():
     json.dumps(out)
 
 
-def test_self_referencing_values_stop_at_a_depth_limit():
+def test_an_object_met_again_is_a_pointer_to_where_it_was_first_stored():
     loop: list = []
     loop.append(loop)
-    json.loads(encode(loop))
+    assert json.loads(encode(loop)) == [{"__ref__": ""}]
+    child = {"a/b": [1], "~": "x"}
+    shared = {"left": child, "right": child, "deep": {"again": child["a/b"]}, "empty": [(), ()]}
+    assert json.loads(encode(shared)) == {
+        "left": child,
+        "right": {"__ref__": "/left"},
+        "deep": {"again": {"__ref__": "/left/a~1b"}},  # RFC 6901: "/" is "~1", "~" is "~0"
+        "empty": [[], []],  # nothing to share: an empty container is written out
+    }
 
 
 def test_truncation_keeps_valid_json_within_the_limit():
@@ -114,6 +122,6 @@ def test_shaped_values_convert_foreign_types_the_same_on_every_path():
     )
     assert fast["other"] == redacted["other"] == {"x": 1, "y": 2.0}  # refused by default: the walk's form
     loop: list = [Message("x")]
-    loop.append(loop)  # orjson gives up on the cycle; the walk names it and still converts the rest
+    loop.append(loop)  # orjson must not take the cycle; the walk marks it and still converts the rest
     walked = json.loads(encode(Shaped(loop, default)))
-    assert walked[0] == {"role": "user", "content": "x"} and walked[1]["__type__"] == "list"
+    assert walked == [{"role": "user", "content": "x"}, {"__ref__": ""}]

@@ -2,10 +2,17 @@
 
 Capture hands the recorder whatever the agent produced: messages, pydantic models,
 dataclasses, exceptions, objects with no JSON form. Everything is converted here, and
-never fails. Plain data (with a ``default`` for a framework's own types) is serialized by
-orjson at submit, which costs the agent microseconds and keeps its objects out of the
-queue; anything orjson refuses, and anything to redact, waits for the recorder's thread
-and its bounded walk.
+never fails. Plain data (with a ``default`` for a framework's own types) that reaches no
+object twice and fits the size budget is serialized by orjson at submit, which costs the
+agent microseconds and keeps its objects out of the queue; anything else, and anything to
+redact, waits for the recorder's thread and :func:`shape`.
+
+Shaping costs time and memory bounded by what it keeps, never by the value as fully
+expanded: each object is shaped once, however often it is referenced, and the walk stops
+at the size budget. JSON has no aliases, so an object met again (a shared child, or a
+cycle) is stored as ``{"__ref__": "/json/pointer"}``, the RFC 6901 pointer to where the
+payload holds it first. Strings are values and are written out wherever they occur; the
+budget bounds them.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from collections.abc import Callable, Mapping
 from datetime import date, datetime
 from enum import Enum
 from typing import Any
+from uuid import UUID
 
 import orjson
 
@@ -27,11 +35,14 @@ from trace_plugin.store.engine import JsonText
 
 DEFAULT_MAX_BYTES = 1_000_000
 TRUNCATED = "__truncated__"
+REF = "__ref__"
 _MAX_DEPTH = 64
-_MAX_NODES = 200_000  # containers converted per payload; past that, the rest is opaque
+_MAX_NODES = 200_000  # objects shaped per payload; past that, the payload is cut
+_SCAN_NODES = 10_000  # objects the agent's thread looks at before leaving a payload to the writer
 
 Redactor = Callable[[str], str]
 _dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode  # one encoder, not one per call
+_CUT = object()  # what the walk returns once the budget is spent: left out of its container
 
 
 class Lazy:
@@ -53,9 +64,9 @@ class Shaped:
 
     orjson walks the value in C and calls ``default`` only for the objects it does not
     know, so a state of plain data and a few messages costs no walk in Python. When orjson
-    gives up (a cycle, a lone surrogate) or a redactor must see every string,
-    :func:`to_jsonable` applies ``default`` the same way. ``default`` raises TypeError for
-    what it does not know either.
+    may not take it (a shared object, a cycle, too large) or a redactor must see every
+    string, :func:`shape` applies ``default`` the same way. ``default`` raises TypeError
+    for what it does not know either.
     """
 
     __slots__ = ("value", "default")
@@ -65,77 +76,157 @@ class Shaped:
         self.default = default
 
 
-def to_jsonable(
-    value: Any, redact: Redactor | None = None, default: Callable[[Any], Any] | None = None
-) -> Any:
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shaping:
+    """A payload as :func:`shape` left it, and the work that took."""
+
+    value: Any  # JSON-compatible; a prefix of the payload when ``cut``
+    cut: bool  # the size or object budget ran out before the whole payload was shaped
+    size: int  # bytes of JSON shaped (estimated), up to and including the value that hit the budget
+    nodes: int  # objects shaped: each once, however often it is referenced
+
+
+def shape(
+    value: Any,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    redact: Redactor | None = None,
+    default: Callable[[Any], Any] | None = None,
+) -> Shaping:
     """A JSON-compatible copy of ``value``; what has no JSON form becomes its type and repr.
 
-    The walk is bounded three ways: depth, a cycle check on the current path, and a total
-    node budget. Depth alone is not enough: a value whose two keys both point back at it
-    reaches the depth cap along 2^64 paths.
+    Bounded by what it keeps: past ``max_bytes`` (estimated) or :data:`_MAX_NODES` objects
+    the walk stops, and an object met again is a ``{"__ref__": pointer}`` marker, so a
+    value shared along 2^64 paths costs 64 steps. Depth is capped at 64.
     """
-    return _Walk(redact, default).convert(value, 0)
+    walk = _Walk(redact, default, max_bytes)
+    out = walk.convert(value, "", 0)
+    return Shaping(None if out is _CUT else out, walk.cut, walk.size, walk.nodes)
 
 
 class _Walk:
-    __slots__ = ("redact", "default", "budget", "path")
+    __slots__ = ("redact", "default", "room", "size", "nodes", "cut", "seen")
 
-    def __init__(self, redact: Redactor | None, default: Callable[[Any], Any] | None) -> None:
+    def __init__(self, redact: Redactor | None, default: Callable[[Any], Any] | None, room: int) -> None:
         self.redact = redact
         self.default = default
-        self.budget = _MAX_NODES
-        self.path: set[int] = set()  # ids of the containers being converted above this one
+        self.room = room
+        self.size = 0
+        self.nodes = 0
+        self.cut = False
+        # id of each object shaped -> (its pointer, the object): holding the object keeps
+        # its id from being reused by a temporary (a default's result) during the walk.
+        self.seen: dict[int, tuple[str, Any]] = {}
+
+    def spend(self, size: int) -> None:
+        self.size += size
+        self.cut = self.cut or self.size > self.room
 
     def text(self, value: str) -> str:
+        width = _utf8_width(value)
+        left = self.room - self.size
+        self.spend(len(value) * width + 2)
+        if self.cut:
+            value = value[: max(0, left) // width]
         return self.redact(value) if self.redact else value
 
-    def convert(self, value: Any, depth: int) -> Any:
+    def convert(self, value: Any, at: str, depth: int) -> Any:
+        if self.cut:
+            return _CUT
         if isinstance(value, Lazy):
             value = value.fn(value.arg)
         if isinstance(value, str):
             return self.text(value)
-        if value is None or isinstance(value, bool | int):
+        if value is None or isinstance(value, bool | int | float):
+            self.spend(8)
+            if isinstance(value, float) and not math.isfinite(value):
+                return None  # JSON has no NaN or Infinity; orjson writes null
             return value
-        if isinstance(value, float):
-            return value if math.isfinite(value) else None  # JSON has no NaN or Infinity; orjson writes null
-        self.budget -= 1
-        if depth >= _MAX_DEPTH or self.budget < 0 or id(value) in self.path:
-            return _opaque(value, self.redact)
-        self.path.add(id(value))
-        try:
-            return self._container(value, depth + 1)
-        finally:
-            self.path.discard(id(value))
-
-    def _container(self, value: Any, d: int) -> Any:
-        if isinstance(value, Mapping):
-            return {str(k): self.convert(v, d) for k, v in value.items()}
-        if isinstance(value, list | tuple | set | frozenset):
-            return [self.convert(v, d) for v in value]
         if isinstance(value, datetime | date):
-            return value.isoformat()
+            return self.text(value.isoformat())
         if isinstance(value, Enum):
-            return self.convert(value.value, d)
+            return self.convert(value.value, at, depth)
         if isinstance(value, bytes | bytearray):
+            self.spend(40)
             return {"__type__": type(value).__name__, "length": len(value)}
         if isinstance(value, BaseException):
             return {"__type__": type(value).__name__, "error": self.text(str(value))}
+        if isinstance(value, Mapping | list | tuple | set | frozenset) and not value:
+            self.spend(2)
+            return {} if isinstance(value, Mapping) else []
+        first = self.seen.get(id(value))
+        if first is not None:
+            self.spend(len(first[0]) + 14)
+            return {REF: first[0]}
+        self.nodes += 1
+        if self.nodes > _MAX_NODES:
+            self.cut = True
+            return _CUT
+        if depth >= _MAX_DEPTH:
+            return self.opaque(value)
+        self.seen[id(value)] = (at, value)
+        return self.container(value, at, depth + 1)
+
+    def container(self, value: Any, at: str, d: int) -> Any:
+        if isinstance(value, Mapping):
+            out: dict[str, Any] = {}
+            for k, v in value.items():
+                key = str(k)
+                self.spend(len(key) + 4)
+                item = self.convert(v, f"{at}/{_escape(key)}", d)
+                if item is _CUT:
+                    break
+                out[key] = item
+            return out
+        if isinstance(value, list | tuple | set | frozenset):
+            items = []
+            for i, v in enumerate(value):
+                item = self.convert(v, f"{at}/{i}", d)
+                if item is _CUT:
+                    break
+                items.append(item)
+            return items
         if self.default is not None:
             try:
                 shaped = self.default(value)
             except TypeError:  # not one of the default's types
                 pass
             else:
-                return self.convert(shaped, d)
+                return self.shaped(shaped, at, d)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            return self.convert({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, d)
+            return self.shaped({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}, at, d)
         dump = getattr(value, "model_dump", None)  # pydantic v2, which LangChain messages are
         if callable(dump) and not isinstance(value, type):
             try:
-                return self.convert(dump(mode="json", exclude_none=True), d)
+                return self.shaped(dump(mode="json", exclude_none=True), at, d)
             except Exception:
-                return _opaque(value, self.redact)
-        return _opaque(value, self.redact)
+                return self.opaque(value)
+        return self.opaque(value)
+
+    def shaped(self, converted: Any, at: str, d: int) -> Any:
+        """``converted``, an object's JSON form, in the object's place (and under its pointer)."""
+        if isinstance(converted, Mapping | list | tuple):
+            self.seen[id(converted)] = (at, converted)
+            return self.container(converted, at, d)
+        return self.convert(converted, at, d)
+
+    def opaque(self, value: Any) -> dict[str, Any]:
+        out = _opaque(value, self.redact)
+        self.spend(len(out["repr"]) + len(out["__type__"]) + 24)
+        return out
+
+
+def _escape(key: str) -> str:
+    """A key as an RFC 6901 pointer segment."""
+    return key.replace("~", "~0").replace("/", "~1") if "~" in key or "/" in key else key
+
+
+def _utf8_width(text: str) -> int:
+    """Bytes per character in UTF-8, at most: the size estimate needs no encoded copy."""
+    if text.isascii():
+        return 1
+    top = ord(max(text))
+    return 2 if top < 0x800 else 3 if top < 0x10000 else 4
 
 
 # Builtin containers get reprlib's bounded repr: a plain repr of a value shared along
@@ -153,17 +244,71 @@ def _opaque(value: Any, redact: Redactor | None) -> dict[str, Any]:
     return {"__type__": type(value).__qualname__, "repr": redact(text) if redact else text}
 
 
+def fits_whole(
+    value: Any, default: Callable[[Any], Any] | None, max_bytes: int, limit: int = _SCAN_NODES
+) -> bool:
+    """Whether orjson may encode ``value`` as it is: plain data (and ``default``'s types)
+    reaching no object twice, within ``max_bytes`` (estimated), seen in ``limit`` steps.
+
+    orjson expands a shared object at every reference and cuts only after the whole dump,
+    so this look comes first; it visits each object once and gives up early.
+    """
+    seen: dict[int, Any] = {}  # id -> object, held so that a default's temporaries keep their ids
+    size = 0
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        kind = type(v)
+        if kind is str:
+            size += len(v) * _utf8_width(v) + 2
+        elif kind in _SCALARS or v is None:
+            size += 8
+        elif kind is dict or kind is list or kind is tuple or isinstance(v, dict | list):
+            if not v:
+                size += 2
+                continue
+            if id(v) in seen or len(seen) >= limit:
+                return False
+            seen[id(v)] = v
+            if isinstance(v, dict):
+                size += sum(len(k) + 4 if type(k) is str else 24 for k in v)
+                stack.extend(v.values())
+            else:
+                stack.extend(v)
+        elif isinstance(v, str | int | float | datetime | date | UUID):  # subclasses orjson knows
+            size += len(v) + 2 if isinstance(v, str) else 40
+        elif default is not None and not isinstance(v, type):
+            if id(v) in seen:
+                return False
+            try:
+                shaped = default(v)
+            except Exception:  # orjson would fail on it too
+                return False
+            seen[id(v)] = v
+            seen[id(shaped)] = shaped
+            stack.append(shaped)
+        else:  # a dataclass, an Enum, a foreign object: the walk knows what to do with it
+            return False
+        if size > max_bytes:
+            return False
+    return True
+
+
+_SCALARS = frozenset({int, float, bool})
+
+
 def encode(
     value: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, redact: Redactor | None = None
 ) -> JsonText | None:
     """Serialize ``value`` for the store, cutting it to ``max_bytes`` with a marker.
 
-    A cut payload is still valid JSON: ``{"__truncated__": true, "bytes": N, "preview": ...}``.
+    A cut payload is still valid JSON: ``{"__truncated__": true, "bytes": N, "preview": ...}``,
+    where ``N`` is the size shaped before the cut (the whole payload's, when it was shaped whole).
     """
     if isinstance(value, JsonText):  # encoded already, at submit (encode_now)
         return value
-    text = _json_text(value, redact)
-    return None if text is None else _bounded(text, max_bytes)
+    text = _json_text(value, max_bytes, redact)
+    return None if text is None else text if isinstance(text, JsonText) else _bounded(text, max_bytes)
 
 
 def encode_now(value: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> str | None:
@@ -171,9 +316,9 @@ def encode_now(value: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> str | None:
 
     Capture calls this on the agent's thread, where it costs microseconds for a typical
     payload (about a millisecond per megabyte), so the queued record holds one string
-    instead of the agent's objects. What orjson refuses (a cycle, a foreign type, a
-    lone surrogate) and any :class:`Lazy` value wait for the writer's bounded walk. Not
-    for payloads that must be redacted first.
+    instead of the agent's objects. What orjson must not take (a shared object, a cycle,
+    a foreign type, a lone surrogate, more than ``max_bytes``) and any :class:`Lazy`
+    value wait for the writer's bounded walk. Not for payloads that must be redacted first.
     """
     if isinstance(value, Shaped):
         raw, default, options = value.value, value.default, _ORJSON | orjson.OPT_PASSTHROUGH_DATACLASS
@@ -183,6 +328,8 @@ def encode_now(value: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> str | None:
         return None
     else:
         raw, default, options = value, None, _ORJSON
+    if not fits_whole(raw, default, max_bytes):
+        return None
     try:
         data = orjson.dumps(raw, default=default, option=options)
     except Exception:  # a refusal, or a default that failed
@@ -190,22 +337,24 @@ def encode_now(value: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> str | None:
     return data.decode() if len(data) <= max_bytes else str(_bounded(data.decode(), max_bytes))
 
 
-def _bounded(text: str, max_bytes: int) -> JsonText:
-    """``text`` as stored: cut to ``max_bytes`` with the truncation marker when longer."""
+def _bounded(text: str, max_bytes: int, size: int | None = None) -> JsonText:
+    """``text`` as stored: cut to ``max_bytes`` with the truncation marker when longer, or
+    always when ``size`` says the walk stopped at ``size`` bytes (``text`` is then a prefix)."""
     raw = text.encode()
-    if len(raw) <= max_bytes:
+    if size is None and len(raw) <= max_bytes:
         return JsonText(text)
+    total = max(size or 0, len(raw))
     budget = max(0, max_bytes - 100)
     while True:  # the preview is escaped inside the marker, so shrink until the marker fits
         preview = raw[:budget].decode(errors="ignore")
-        marker = json.dumps({TRUNCATED: True, "bytes": len(raw), "preview": preview}, ensure_ascii=False)
+        marker = json.dumps({TRUNCATED: True, "bytes": total, "preview": preview}, ensure_ascii=False)
         size = len(marker.encode())
         if size <= max_bytes or budget == 0:
             return JsonText(marker)
         budget = max(0, budget - (size - max_bytes) - 8)
 
 
-def _json_text(value: Any, redact: Redactor | None) -> str | None:
+def _json_text(value: Any, max_bytes: int, redact: Redactor | None) -> str | JsonText | None:
     try:
         if isinstance(value, Lazy):
             value = value.fn(value.arg)
@@ -214,16 +363,23 @@ def _json_text(value: Any, redact: Redactor | None) -> str | None:
             value, default = value.value, value.default
         if value is None:
             return None
-        if redact is None:  # fast path: orjson walks plain data in C
-            with contextlib.suppress(TypeError):  # orjson.JSONEncodeError: a type, a cycle, a lone surrogate
+        if redact is None and fits_whole(value, default, max_bytes, _MAX_NODES):  # orjson walks it in C
+            with contextlib.suppress(TypeError):  # orjson.JSONEncodeError: a type, a lone surrogate
                 options = _ORJSON | (orjson.OPT_PASSTHROUGH_DATACLASS if default else 0)
-                return orjson.dumps(value, default=default, option=options).decode()
-        text = _dumps(to_jsonable(value, redact, default))
+                return orjson.dumps(
+                    value, default=default, option=options
+                ).decode()  # it refuses lone surrogates
+        shaped = shape(value, max_bytes=max_bytes, redact=redact, default=default)
+        text = _no_surrogates(_dumps(shaped.value))
+        return _bounded(text, max_bytes, shaped.size) if shaped.cut else text
     except Exception as exc:  # a failing conversion (a Lazy's, a mapping's items()) must not lose the record
         error = f"not encodable: {type(exc).__name__}: {exc}"[:1_000]
         raw = value.arg if isinstance(value, Lazy) else value
-        text = _dumps({"__type__": type(raw).__qualname__, "error": redact(error) if redact else error})
-    # A lone surrogate has no UTF-8 form, so no database can store it.
+        return _dumps({"__type__": type(raw).__qualname__, "error": redact(error) if redact else error})
+
+
+def _no_surrogates(text: str) -> str:
+    """A lone surrogate has no UTF-8 form, so no database can store it."""
     return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
 
 

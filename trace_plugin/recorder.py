@@ -25,7 +25,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter
 from types import FrameType
 from typing import Any
@@ -34,6 +34,7 @@ import orjson
 from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 
 from trace_plugin.payload import DEFAULT_MAX_BYTES, Redactor, clip_text, encode, encode_now, make_redactor
+from trace_plugin.records.outcome import reward_error
 from trace_plugin.records.trajectory import Episode, EpisodeEnd, Feedback, Step
 from trace_plugin.store import Store
 from trace_plugin.store.engine import JsonText
@@ -161,6 +162,19 @@ def unpack(packed: tuple[Any, ...]) -> Record:
     return layout.cls(*values)
 
 
+def _refuse_bad_reward(record: EpisodeEnd | Feedback) -> EpisodeEnd | Feedback:
+    """``record`` without a reward the outcome rule cannot read, and why in the record
+    (an episode's ``error``, a feedback's ``comment``): refused, never clamped."""
+    problem = reward_error(record.reward)
+    if problem is None:
+        return record
+    log.warning("trace-plugin: episode %s: %s; stored without it", record.episode_id, problem)
+    note = f"reward refused: {problem}"
+    if isinstance(record, EpisodeEnd):
+        return replace(record, reward=None, error=f"{record.error}; {note}" if record.error else note)
+    return replace(record, reward=None, comment=f"{record.comment}; {note}" if record.comment else note)
+
+
 class _Unencoded:
     """A queued record whose payloads wait for the writer: to be redacted, or not plain JSON."""
 
@@ -218,6 +232,8 @@ class Recorder:
 
     def submit(self, record: Record, policy: PayloadPolicy = DEFAULT_POLICY) -> None:
         try:
+            if isinstance(record, EpisodeEnd | Feedback) and record.reward is not None:
+                record = _refuse_bad_reward(record)
             self._ensure_thread()
             if len(self._queue) >= self.max_queue:
                 self._count_drop(1, queue_full=True)
@@ -443,6 +459,9 @@ def feedback(
     """Attach a delayed reward or label to an episode; it becomes the episode's outcome."""
     if reward is None and label is None:
         raise ValueError("feedback needs a reward or a label")
+    problem = None if reward is None else reward_error(reward)
+    if problem is not None:
+        raise ValueError(problem)
     record = Feedback(episode_id, reward=reward, label=label, source=source, comment=comment)
     default_recorder().submit(record)
 

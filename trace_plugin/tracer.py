@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trace_plugin.recorder import PayloadPolicy, Recorder, default_recorder, install_term_handler
+from trace_plugin.records.outcome import reward_error
 from trace_plugin.records.trajectory import (
     Episode,
     EpisodeEnd,
@@ -128,13 +128,30 @@ class Tracer:
         """Close an episode; ``reward=`` of the tracer scores ``final_state`` (or ``output``).
 
         A reward function that fails or returns no number still ends the episode: it is
-        stored completed, with no reward and the scoring error in ``error``.
+        stored completed, with no reward and the scoring error in ``error``. One that
+        raises KeyboardInterrupt or SystemExit ends it as ``error``, as a tool raising
+        either does, and the exception goes on up.
         """
         reward = None
         if self.reward_fn is not None and error is None:
-            reward, scoring_error = self._score(final_state if final_state is not None else output)
+            try:
+                reward, scoring_error = self._score(final_state if final_state is not None else output)
+            except BaseException as exc:  # not an Exception: the process is being stopped
+                self._close(active, output=output, error=exc, status="error", reward=None)
+                raise
             if scoring_error is not None:
                 error, status = scoring_error, status or "completed"
+        self._close(active, output=output, error=error, status=status, reward=reward)
+
+    def _close(
+        self,
+        active: ActiveEpisode,
+        *,
+        output: Any,
+        error: BaseException | str | None,
+        status: EpisodeStatus | None,
+        reward: float | None,
+    ) -> None:
         if isinstance(error, BaseException):
             error = f"{type(error).__name__}: {error}"
         end = EpisodeEnd(
@@ -162,7 +179,8 @@ class Tracer:
         except Exception as exc:
             log.exception("trace-plugin: reward function failed for agent %r", self.agent)
             return None, f"scoring failed: {type(exc).__name__}: {exc}"
-        if reward is not None and not math.isfinite(reward):
+        problem = None if reward is None else reward_error(reward)
+        if problem is not None:
             log.warning("trace-plugin: reward function for agent %r returned %r", self.agent, value)
-            return None, f"scoring failed: the reward {value!r} is not a finite number"
+            return None, f"scoring failed: {problem}"
         return reward, None

@@ -7,6 +7,7 @@ episodes can never disagree about what counts as a success.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,6 +18,17 @@ Outcome = Literal["success", "failure", "unknown"]
 SUCCESS_LABEL = "success"
 FAILURE_LABEL = "failure"  # what a grade writes; any label but SUCCESS_LABEL is a failure
 SUCCESS_REWARD = 1.0  # rewards are in [0, 1]: only a full score is a success
+
+
+def reward_error(reward: Any) -> str | None:
+    """Why ``reward`` cannot be stored, or None. One rule for every way in: a reward is a
+    finite number in [0, 1], and anything else is refused, never clamped (a clamped 1.5
+    would count as a success nobody scored)."""
+    if not isinstance(reward, int | float) or not math.isfinite(reward):
+        return f"the reward {reward!r} is not a finite number"
+    if not 0.0 <= reward <= 1.0:
+        return f"the reward {reward!r} is outside [0, 1]"
+    return None
 
 
 def reward_succeeds(reward: float) -> bool:
