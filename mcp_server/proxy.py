@@ -24,7 +24,7 @@ import mcp.types as types
 from anyio.abc import TaskGroup, TaskStatus
 from mcp import ClientSession
 
-from mcp_server.transport import IDLE_TIMEOUT, McpServer, http_app
+from mcp_server.transport import IDLE_TIMEOUT, MAX_SESSIONS, McpServer, http_app
 from trace_plugin.gateway.server import RunningServer, start_in_thread
 from trace_plugin.recorder import Recorder
 from trace_plugin.tracer import ActiveEpisode, Tracer
@@ -210,8 +210,8 @@ def start_proxy_in_thread(
     agent: str = "mcp-proxy",
     recorder: Recorder | None = None,
     idle_timeout: float = IDLE_TIMEOUT,
+    max_sessions: int = MAX_SESSIONS,
 ) -> RunningServer:
     """The proxy over streamable HTTP on a daemon thread."""
-    return start_in_thread(
-        http_app(build_proxy(upstream, agent=agent, recorder=recorder), idle_timeout=idle_timeout)
-    )
+    proxy = build_proxy(upstream, agent=agent, recorder=recorder)
+    return start_in_thread(http_app(proxy, idle_timeout=idle_timeout, max_sessions=max_sessions))

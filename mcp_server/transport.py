@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import typing
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import anyio
@@ -16,12 +16,23 @@ from mcp.server.lowlevel import NotificationOptions, Server
 from mcp.server.models import InitializationOptions
 from mcp.shared.message import SessionMessage
 from starlette.applications import Starlette
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
 
 IDLE_TIMEOUT = 1800.0
 """Seconds a streamable-HTTP session may go without a request in flight before it is closed
 and its state reclaimed: a client that leaves without ending its session (no DELETE) would
 otherwise hold it until the server exits."""
+
+MAX_SESSIONS = 64
+"""Streamable-HTTP sessions open at once, past which a new one is refused: each holds its
+state until it ends or idles out (the proxy's, with a stdio upstream, a process of its own,
+about 90 MB), so a client that never ends its sessions could otherwise pile them up."""
+
+TOO_MANY_SESSIONS = -32003
+"""The JSON-RPC error code (from the range JSON-RPC leaves to servers) refusing a session
+past ``max_sessions``."""
 
 KNOWN_METHODS = frozenset(
     typing.get_args(request.model_fields["method"].annotation)[0]
@@ -110,21 +121,40 @@ async def serve_stdio(server: Server) -> None:
 
 
 async def serve_http(
-    server: Server, host: str = "127.0.0.1", port: int = 8100, idle_timeout: float = IDLE_TIMEOUT
+    server: Server,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    idle_timeout: float = IDLE_TIMEOUT,
+    max_sessions: int = MAX_SESSIONS,
 ) -> None:
     import uvicorn
 
-    app = http_app(server, idle_timeout=idle_timeout)
+    app = http_app(server, idle_timeout=idle_timeout, max_sessions=max_sessions)
     await uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).serve()
 
 
-def http_app(server: Server, *, idle_timeout: float = IDLE_TIMEOUT) -> Starlette:
+def http_app(
+    server: Server, *, idle_timeout: float = IDLE_TIMEOUT, max_sessions: int = MAX_SESSIONS
+) -> Starlette:
     """A Starlette app serving ``server`` over streamable HTTP at ``/mcp``; a session with
-    nothing in flight for ``idle_timeout`` seconds is closed as if its client had ended it."""
+    nothing in flight for ``idle_timeout`` seconds is closed as if its client had ended it,
+    and while ``max_sessions`` are open a new one is refused (HTTP 503, a JSON-RPC error)."""
     from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
     manager = StreamableHTTPSessionManager(
-        app=server, stateless=False, json_response=True, session_idle_timeout=idle_timeout
+        app=server,
+        stateless=False,
+        json_response=True,
+        session_idle_timeout=idle_timeout,
+        max_sessions=max_sessions,
+    )
+    message = (
+        f"Too many open sessions: this server holds at most {max_sessions} at once (max_sessions, "
+        "--max-sessions); retry once one is ended or idles out"
+    )
+    refusal = JSONResponse(
+        {"jsonrpc": "2.0", "id": "server-error", "error": {"code": TOO_MANY_SESSIONS, "message": message}},
+        status_code=503,
     )
 
     @contextlib.asynccontextmanager
@@ -132,14 +162,29 @@ def http_app(server: Server, *, idle_timeout: float = IDLE_TIMEOUT) -> Starlette
         async with manager.run():
             yield
 
-    return Starlette(routes=[Route("/mcp", endpoint=_ASGI(manager.handle_request))], lifespan=lifespan)
+    endpoint = _Endpoint(manager.handle_request, refusal)
+    return Starlette(routes=[Route("/mcp", endpoint=endpoint)], lifespan=lifespan)
 
 
-class _ASGI:
-    """Starlette treats a plain function endpoint as request -> response; an object is raw ASGI."""
+class _Endpoint:
+    """The session manager as a raw ASGI endpoint (Starlette treats a plain function as
+    request -> response, an object as raw ASGI). The manager refuses a session past its
+    ``max_sessions`` with a 503 that names neither the cap nor the setting, and answers
+    503 for nothing else; that answer is replaced by ``refusal``, which does."""
 
-    def __init__(self, handle: Callable[..., Any]) -> None:
+    def __init__(self, handle: Callable[[Scope, Receive, Send], Awaitable[None]], refusal: Response) -> None:
         self.handle = handle
+        self.refusal = refusal
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.handle(scope, receive, send)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refused = False
+
+        async def unless_refused(message: Message) -> None:
+            nonlocal refused
+            refused = refused or (message["type"] == "http.response.start" and message["status"] == 503)
+            if not refused:
+                await send(message)
+
+        await self.handle(scope, receive, unless_refused)
+        if refused:
+            await self.refusal(scope, receive, send)

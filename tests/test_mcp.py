@@ -22,7 +22,7 @@ from mcp.shared.exceptions import McpError
 
 from mcp_server.environments import build_server
 from mcp_server.proxy import start_proxy_in_thread
-from mcp_server.transport import http_app
+from mcp_server.transport import TOO_MANY_SESSIONS, http_app
 from trace_plugin import Recorder, Store
 from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
 from trace_plugin.gateway.server import free_port, start_in_thread
@@ -353,13 +353,12 @@ async def test_abandoned_proxy_session_expires_ending_its_episode_and_its_upstre
 
 
 @contextmanager
-def env_process(db: str, idle_timeout: float):
+def env_process(db: str, idle_timeout: float, max_sessions: int):
     """``trace-plugin envs serve retail`` over HTTP in its own process: its URL and pid."""
     port = free_port()
     command = ["envs", "serve", "retail", "--transport", "http", "--port", str(port), "--db", db]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "trace_plugin", *command, "--idle-timeout", str(idle_timeout)]
-    )
+    limits = ["--idle-timeout", str(idle_timeout), "--max-sessions", str(max_sessions)]
+    process = subprocess.Popen([sys.executable, "-m", "trace_plugin", *command, *limits])
     try:
         deadline = time.monotonic() + 60
         while process.poll() is None and time.monotonic() < deadline:
@@ -406,7 +405,7 @@ async def test_abandoned_sessions_expire_and_the_servers_memory_stays_flat(tmp_p
     for idle_timeout in (1.0, 3600.0):
         db = f"sqlite:///{tmp_path / f'{idle_timeout}.db'}"
         recorder = Recorder(db)  # reads what the server process records
-        with env_process(db, idle_timeout) as (url, pid):
+        with env_process(db, idle_timeout, max_sessions=rounds * per_round) as (url, pid):
             rss = []
             for n in range(rounds):
                 session_ids = await abandon(url, range(n * per_round, (n + 1) * per_round))
@@ -422,3 +421,68 @@ async def test_abandoned_sessions_expire_and_the_servers_memory_stays_flat(tmp_p
     # Kept, each session holds about 0.1 MB; expired, the next round reuses what the last one freed.
     assert growth[3600.0] > per_round * 50_000
     assert growth[1.0] < growth[3600.0] / 4
+
+
+async def initialize(url: str) -> httpx.Response:
+    """The answer to a bare initialize request: a new session (left open), or its refusal."""
+    params = {
+        "protocolVersion": types.LATEST_PROTOCOL_VERSION,
+        "capabilities": {},
+        "clientInfo": {"name": "bare", "version": "0"},
+    }
+    async with httpx.AsyncClient() as http:
+        return await http.post(
+            url,
+            json={"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": params},
+            headers={"accept": "application/json, text/event-stream"},
+        )
+
+
+def assert_refused(answer: httpx.Response, cap: int) -> None:
+    assert answer.status_code == 503 and "mcp-session-id" not in answer.headers
+    error = types.JSONRPCError.model_validate_json(answer.content).error
+    assert error.code == TOO_MANY_SESSIONS
+    assert f"at most {cap} " in error.message and "--max-sessions" in error.message
+
+
+async def test_env_server_caps_its_sessions_and_admits_one_once_another_idles_out(tmp_path):
+    with env_process(f"sqlite:///{tmp_path / 'env.db'}", idle_timeout=2.0, max_sessions=2) as (url, _):
+        async with http_session(url) as kept:  # its open event stream keeps it from idling out
+            async with abandoned_session(url) as (left, _):
+                assert_refused(await initialize(url), cap=2)
+                for session in (kept, left):  # the admitted sessions go on
+                    assert await play_reference(session, 1) == 1.0
+            assert_refused(await initialize(url), cap=2)  # the abandoned session holds its place...
+            deadline = time.monotonic() + 30
+            while (answer := await initialize(url)).status_code == 503 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            assert answer.status_code == 200 and answer.headers["mcp-session-id"]  # ...until it idles out
+            assert_refused(await initialize(url), cap=2)  # and the cap still holds
+            assert await play_reference(kept, 2) == 1.0
+
+
+async def test_proxy_caps_its_sessions_starting_no_upstream_past_the_cap(sqlite_url):
+    recorder = Recorder(sqlite_url)
+    upstream = [sys.executable, str(HERE / "mcp_upstream.py")]
+
+    def children() -> set[int]:  # the proxy runs on a thread of this process
+        return {c.pid for c in psutil.Process().children(recursive=True)}
+
+    async def pid(session: ClientSession) -> int:
+        return int((await session.call_tool("pid", {})).content[0].text)
+
+    with start_proxy_in_thread(upstream, agent="proxied", recorder=recorder, max_sessions=2) as proxy:
+        url = proxy.url + "/mcp"
+        async with http_session(url) as a:
+            async with http_session(url) as b:
+                pids = [await pid(a), await pid(b)]
+                before = children()
+                assert_refused(await initialize(url), cap=2)
+                assert children() == before  # no upstream started for the refused session
+                assert [await pid(a), await pid(b)] == pids  # the admitted sessions go on
+            deadline = time.monotonic() + 60
+            while psutil.pid_exists(pids[1]) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            async with http_session(url) as c:  # b ended (DELETE): its place is free again
+                assert await pid(c) not in pids and await pid(a) == pids[0]
+    recorder.close()
