@@ -5,6 +5,7 @@ episodes' real outcomes, compared with the rest of the traffic."""
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 
 import httpx
 import pytest
@@ -16,7 +17,8 @@ from trace_plugin.dashboard import create_dashboard
 from trace_plugin.gateway.app import AGENT_HEADER, GatewayConfig, create_app
 from trace_plugin.gateway.routing import CanaryRouter, StaticRouter
 from trace_plugin.gateway.server import start_in_thread
-from trace_plugin.improver import Improver, ImproverConfig, stages
+from trace_plugin.improver import ConfigError, Improver, ImproverConfig, stages
+from trace_plugin.improver import monitor as monitor_module
 from trace_plugin.records.deployment import Deployment
 from trace_plugin.records.router_spec import (
     KeywordSpec,
@@ -25,7 +27,7 @@ from trace_plugin.records.router_spec import (
     parse_router_spec,
     router_version,
 )
-from trace_plugin.records.trajectory import Feedback
+from trace_plugin.records.trajectory import Feedback, utcnow
 
 AGENT = "shop"
 MAIN = StaticSpec().to_dict()  # the live deployment: the base model
@@ -149,5 +151,58 @@ def test_the_cli_takes_a_canary_share(tmp_path):
         "--adapter-root",
         str(tmp_path),
     ]
-    refused = CliRunner().invoke(app, [*args, "--canary", "1.5", "--db", f"sqlite:///{tmp_path / 'c.db'}"])
-    assert refused.exit_code == 2 and "between 0 and 1" in refused.output
+    for share in ("1.5", "1e-300", "0.999"):
+        refused = CliRunner().invoke(
+            app, [*args, "--canary", share, "--db", f"sqlite:///{tmp_path / 'c.db'}"]
+        )
+        said = " ".join(refused.output.replace("│", " ").split())
+        assert refused.exit_code == 2 and "Invalid value for --canary" in said, refused.output
+        assert "between 0.01 and 0.99" in said and f"not {float(share)}" in said
+    refused = CliRunner().invoke(
+        app, [*args, "--canary-deadline", "0", "--db", f"sqlite:///{tmp_path / 'c.db'}"]
+    )
+    assert refused.exit_code == 2 and "Invalid value for --canary-deadline" in refused.output
+
+
+def test_a_canary_too_small_to_fill_its_window_or_without_a_deadline_is_refused(tmp_path):
+    for share in (1e-300, 0.0099, 0.995):
+        with pytest.raises(ConfigError, match="between 0.01 and 0.99") as refused:
+            ImproverConfig(AGENT, "http://127.0.0.1:9", tmp_path, canary=share)
+        assert refused.value.setting == "canary" and isinstance(refused.value, ValueError)
+    with pytest.raises(ConfigError, match="canary_deadline is seconds, above 0"):
+        ImproverConfig(AGENT, "http://127.0.0.1:9", tmp_path, canary=0.5, canary_deadline=0)
+    assert ImproverConfig(AGENT, "http://127.0.0.1:9", tmp_path, canary=0.01).canary_deadline == 86_400
+
+
+def past_the_deadline(improver: Improver, monkeypatch) -> None:
+    """The monitor's clock, moved to a second after the trial's deadline."""
+    later = utcnow() + timedelta(seconds=improver.config.canary_deadline + 1)
+    monkeypatch.setattr(monitor_module, "utcnow", lambda: later)
+
+
+def test_a_canary_that_cannot_fill_its_window_is_rolled_back_at_its_deadline(world, monkeypatch):
+    """Too few episodes to judge by the deadline: the trial ends, the agent is free again."""
+    server, store, recorder, improver = world
+    improver.config.min_new_episodes = 1  # a cycle is due but for the trial
+    canary, rest = serve(server, recorder, 6, good=True)
+    episodes = min(canary, rest)
+    assert episodes < 5 and improver.monitor() is None and not improver.due()  # before the deadline
+    past_the_deadline(improver, monkeypatch)
+    kept = improver.monitor()
+    assert kept is not None and kept.id == "c1" and improver.canary() is None
+    trial = {d.id: d for d in store.deployments(AGENT)}["c2"]
+    assert trial.status == "rolled_back"
+    assert trial.reasons[-1] == f"rolled back: deadline passed with {episodes} of 10 episodes"
+    assert asyncio.run(improver.gateway.router()) == MAIN and improver.due()  # a new cycle may start
+
+
+def test_a_canary_with_half_its_window_is_decided_at_its_deadline(world, monkeypatch):
+    server, store, recorder, improver = world
+    canary, rest = serve(server, recorder, 14, good=True)
+    episodes = min(canary, rest)
+    assert 5 <= episodes < 10 and improver.monitor() is None  # the window is not full
+    past_the_deadline(improver, monkeypatch)
+    promoted = improver.monitor()
+    assert promoted is not None and promoted.id == "c2" and promoted.status == "live"
+    assert promoted.reasons[-1].startswith(f"decided at deadline on {episodes} of 10 episodes: promoted: ")
+    assert asyncio.run(improver.gateway.router()) == TRIAL

@@ -30,12 +30,17 @@ DbOption = Annotated[
         "--db", envvar=DB_URL_ENV, help="SQLAlchemy URL; default: a SQLite file in ~/.trace-plugin."
     ),
 ]
-# Its default is mcp_server.transport.IDLE_TIMEOUT, not imported here: mcp is an optional extra.
+# Their defaults are mcp_server.transport's IDLE_TIMEOUT and MAX_SESSIONS, not imported here:
+# mcp is an optional extra.
 IdleTimeoutOption = Annotated[
     float,
     typer.Option(
         min=0.001, help="Over HTTP, seconds a session may sit idle before it is closed and its state freed."
     ),
+]
+MaxSessionsOption = Annotated[
+    int,
+    typer.Option(min=1, help="Over HTTP, the most sessions open at once; past it a new one is refused."),
 ]
 
 
@@ -242,6 +247,7 @@ def envs_serve(
     host: str = "127.0.0.1",
     port: int = 8100,
     idle_timeout: IdleTimeoutOption = 1800.0,
+    max_sessions: MaxSessionsOption = 64,
     db: DbOption = None,
 ) -> None:
     """Serve an environment over MCP (each session gets its own instance)."""
@@ -250,7 +256,11 @@ def envs_serve(
     from trace_plugin.recorder import configure
 
     server = build_server(name, _environment(name, db), recorder=configure(db))
-    run(serve_stdio(server) if transport == "stdio" else serve_http(server, host, port, idle_timeout))
+    run(
+        serve_stdio(server)
+        if transport == "stdio"
+        else serve_http(server, host, port, idle_timeout, max_sessions)
+    )
 
 
 @app.command("mcp-proxy")
@@ -263,6 +273,7 @@ def mcp_proxy(
     port: int = 8200,
     agent: Annotated[str, typer.Option(help="Agent name for the recorded episodes.")] = "mcp-proxy",
     idle_timeout: IdleTimeoutOption = 1800.0,
+    max_sessions: MaxSessionsOption = 64,
     db: DbOption = None,
 ) -> None:
     """Sit between an MCP client and an MCP server, recording every tool call."""
@@ -273,7 +284,11 @@ def mcp_proxy(
 
     target = upstream[0] if len(upstream) == 1 and upstream[0].startswith("http") else upstream
     server = build_proxy(target, agent=agent, recorder=configure(db))
-    run(serve_stdio(server) if transport == "stdio" else serve_http(server, host, port, idle_timeout))
+    run(
+        serve_stdio(server)
+        if transport == "stdio"
+        else serve_http(server, host, port, idle_timeout, max_sessions)
+    )
 
 
 capabilities_app = typer.Typer(help="Capabilities mined from an agent's episodes.", no_args_is_help=True)
@@ -620,46 +635,47 @@ def improve(
     canary: Annotated[
         float | None,
         typer.Option(
-            help="Deploy as a canary on this share of the traffic; the monitor (--watch) promotes"
-            " it or rolls it back against the rest of the traffic."
+            help="Deploy as a canary on this share of the traffic (0.01 to 0.99); the monitor"
+            " (--watch) promotes it or rolls it back against the rest of the traffic."
         ),
     ] = None,
+    canary_deadline: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a canary trial may take to fill its window; then it is judged on what it"
+            " has, or rolled back with too few episodes."
+        ),
+    ] = 86_400.0,
     admin_token: Annotated[str | None, typer.Option(envvar="TRACE_PLUGIN_ADMIN_TOKEN")] = None,
     db: DbOption = None,
 ) -> None:
     """Mine, synthesize, train, judge and deploy, once or continuously (one improver per agent)."""
-    if canary is not None and not 0 < canary < 1:
-        raise typer.BadParameter("a share of the traffic, between 0 and 1", param_hint="--canary")
-    from trace_plugin.improver import Improver, ImproverConfig
+    from trace_plugin.improver import ConfigError, Improver, ImproverConfig
     from trace_plugin.recorder import configure
     from trace_plugin.store.lease import LeaseHeld
 
-    seeds: list[int] = []
-    if target is not None:
-        from trace_plugin.environments.catalog import TargetError, UnknownEnvironment, load_target
-
-        try:
-            seeds = list(load_target(target).test_seeds)[:target_tasks]
-        except (UnknownEnvironment, TargetError) as exc:
-            raise typer.BadParameter(str(exc), param_hint="--target") from None
+    try:  # the config checks the settings and loads the target: its errors, as the option's
+        config = ImproverConfig(
+            agent=agent,
+            gateway_url=gateway_url,
+            adapter_root=adapter_root,
+            admin_token=admin_token,
+            target=target,
+            target_tasks=target_tasks,
+            min_new_episodes=min_new_episodes,
+            preset=preset,
+            training={"rollout_budget": rollouts},
+            router=router,
+            canary=canary,
+            canary_deadline=canary_deadline,
+        )
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint=f"--{exc.setting.replace('_', '-')}") from None
     executor = None
     if ray:
         from training.executors import RayExecutor
 
         executor = RayExecutor(None if ray == "auto" else ray)
-    config = ImproverConfig(
-        agent=agent,
-        gateway_url=gateway_url,
-        adapter_root=adapter_root,
-        admin_token=admin_token,
-        target=target,
-        target_seeds=seeds,
-        min_new_episodes=min_new_episodes,
-        preset=preset,
-        training={"rollout_budget": rollouts},
-        router=router,
-        canary=canary,
-    )
     improver = Improver(_store(db), config, executor=executor, recorder=configure(db), console=console)
     try:
         if watch:

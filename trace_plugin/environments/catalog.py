@@ -11,6 +11,7 @@ the trainer never know the difference.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from importlib.metadata import entry_points
@@ -80,13 +81,14 @@ def load_target(name: str) -> Target:
 
 def _checked(name: str, loaded: Any) -> Target:
     """``loaded`` (a Target, or a function returning one) as a Target whose environment works."""
-    target = loaded() if callable(loaded) and not isinstance(loaded, Target | type) else loaded
+    target = _called(name, loaded) if callable(loaded) and not isinstance(loaded, Target | type) else loaded
     if not isinstance(target, Target):
         raise TargetError(
             f"target {name!r} is a {type(target).__name__}, not a trace_plugin.environments.Target "
             "(or a function returning one): Target(name, factory, test_seeds)"
         )
-    if not target.test_seeds or not all(isinstance(s, int) for s in target.test_seeds):
+    seeds = target.test_seeds
+    if not isinstance(seeds, Sequence) or not seeds or not all(isinstance(s, int) for s in seeds):
         raise TargetError(f"target {name!r}: test_seeds must be a non-empty sequence of ints")
     try:
         env = target.factory()
@@ -96,6 +98,24 @@ def _checked(name: str, loaded: Any) -> Target:
     if missing:
         raise TargetError(f"target {name!r}: its environment has no {', '.join(missing)}")
     return target
+
+
+def _called(name: str, function: Callable[..., Any]) -> Any:
+    """What the function a target names returns; a TargetError, not its traceback, when it
+    needs arguments or raises (it is user code, run from a command line)."""
+    try:
+        inspect.signature(function).bind()
+    except TypeError as exc:
+        raise TargetError(
+            f"target {name!r}: {getattr(function, '__name__', function)!r} needs arguments ({exc}); "
+            "name a Target, or a function that takes none and returns one"
+        ) from exc
+    except ValueError:  # no signature to read (some builtins): calling it tells
+        pass
+    try:
+        return function()
+    except Exception as exc:
+        raise TargetError(f"target {name!r}: calling it failed: {type(exc).__name__}: {exc}") from exc
 
 
 def target_turns(name: str) -> int | None:

@@ -23,7 +23,7 @@ deployment's and rolls back when it fell.
 """
 
 from trace_plugin.improver.config import GATE_SEEDS, HELD_OUT_SEEDS, TRAINING_SEEDS, ImproverConfig
-from trace_plugin.improver.errors import DeployError, ImproverError
+from trace_plugin.improver.errors import ConfigError, DeployError, ImproverError
 from trace_plugin.improver.evaluation import bootstrap_interval, judge, paired_gain, summary
 from trace_plugin.improver.loop import Evaluator, Improver
 from trace_plugin.improver.outputs import (
@@ -46,6 +46,7 @@ __all__ = [
     "GATE_SEEDS",
     "HELD_OUT_SEEDS",
     "TRAINING_SEEDS",
+    "ConfigError",
     "CycleEnd",
     "DeployError",
     "Deployed",

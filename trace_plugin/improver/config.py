@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, cast, get_args
 
+from trace_plugin.environments.catalog import TargetError, UnknownEnvironment, load_target
+from trace_plugin.improver.errors import ConfigError
 from training.config import ExpertTrainingConfig
 
 HELD_OUT_SEEDS = range(3_000_000, 3_000_200)  # synthesized environments' evaluation seeds
@@ -15,6 +17,8 @@ CORPUS_SEEDS = range(5_000_000, 5_000_200)  # the reference plays a classifier's
 TRAINING_SEEDS = range(0, 2_000)
 CALIBRATION_SEEDS_START = 2_000_000
 Router = Literal["classifier", "top1", "gate"]
+# Each arm of a canary must fill monitor_window episodes: a tiny share (or a tiny rest) never does.
+MIN_CANARY_SHARE = 0.01
 
 
 @dataclass
@@ -23,6 +27,16 @@ class ImproverConfig:
 
     ``training`` is the :class:`~training.config.ExpertTrainingConfig` experts train with;
     given as a mapping, it holds overrides of the ``preset`` (and becomes that config).
+
+    ``target`` names a :class:`~trace_plugin.environments.Target` (or, with ``target_seeds``
+    given, a synthesized environment): without ``target_seeds`` they are the first
+    ``target_tasks`` of its test seeds (:func:`target_seeds`), whether the improver plays
+    them or an ``evaluator`` it was given does.
+
+    A canary trial ends within ``canary_deadline`` seconds of going out, so that one that
+    cannot fill its window does not hold the agent: past it, a trial whose arms each have
+    at least half of ``monitor_window`` episodes is judged on those, and one with fewer is
+    rolled back; its reasons say which.
     """
 
     agent: str
@@ -31,6 +45,7 @@ class ImproverConfig:
     admin_token: str | None = None
     target: str | None = None  # a registered target environment, for held-out evaluation
     target_seeds: Sequence[int] = ()  # its held-out tasks
+    target_tasks: int = 32  # without target_seeds: how many of the target's test seeds
     # triggers
     min_new_episodes: int = 50  # labeled episodes since the last cycle
     max_failure_rate: float | None = None  # or: the recent failure rate reached this
@@ -64,6 +79,7 @@ class ImproverConfig:
     # promotes it, or rolls it back when its success over monitor_window episodes falls
     # rollback_drop below the rest of the traffic's over the same time.
     canary: float | None = None
+    canary_deadline: float = 86_400.0  # seconds a trial may take to fill its window
     max_tokens: int = 160
     lease_ttl: float = 30.0  # on SQLite, how long a killed improver keeps others out
 
@@ -71,14 +87,33 @@ class ImproverConfig:
         # Absolute: experts are loaded by their stored path, which a gateway would resolve
         # under its own adapter root were it relative.
         self.adapter_root = Path(self.adapter_root).resolve()
-        if self.canary is not None and not 0 < self.canary < 1:
-            raise ValueError(f"canary is a share of the traffic, between 0 and 1, not {self.canary}")
+        if self.canary is not None and not MIN_CANARY_SHARE <= self.canary <= 1 - MIN_CANARY_SHARE:
+            raise ConfigError(
+                "canary",
+                f"canary is a share of the traffic between {MIN_CANARY_SHARE} and {1 - MIN_CANARY_SHARE}"
+                f" (each arm must fill monitor_window episodes), not {self.canary}",
+            )
+        if not self.canary_deadline > 0:
+            raise ConfigError(
+                "canary_deadline", f"canary_deadline is seconds, above 0, not {self.canary_deadline}"
+            )
         if self.router not in get_args(Router):
-            raise ValueError(f"router must be one of {get_args(Router)}, not {self.router!r}")
+            raise ConfigError("router", f"router must be one of {get_args(Router)}, not {self.router!r}")
         if not isinstance(self.training, ExpertTrainingConfig):
             self.training = ExpertTrainingConfig.preset(self.preset, **dict(self.training))
+        if self.target is not None and not self.target_seeds:
+            self.target_seeds = target_seeds(self.target, self.target_tasks)
 
     @property
     def expert_training(self) -> ExpertTrainingConfig:
         """``training`` as its type: ``__post_init__`` made it a config."""
         return cast(ExpertTrainingConfig, self.training)
+
+
+def target_seeds(target: str, tasks: int) -> list[int]:
+    """The held-out tasks the improver evaluates on when none are given: the first ``tasks``
+    test seeds of the target ``target`` (:func:`~trace_plugin.environments.catalog.load_target`)."""
+    try:
+        return list(load_target(target).test_seeds)[:tasks]
+    except (UnknownEnvironment, TargetError) as exc:
+        raise ConfigError("target", str(exc)) from exc

@@ -11,3 +11,11 @@ class ImproverError(TracePluginError, RuntimeError):
 
 class DeployError(ImproverError):
     """The gateway would not serve exactly what was evaluated: traffic stays where it was."""
+
+
+class ConfigError(TracePluginError, ValueError):
+    """A setting the improver cannot work with; ``setting`` names it (the CLI's option)."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(message)
+        self.setting = setting

@@ -20,6 +20,7 @@ from trace_plugin.environments.interpreter import SpecEnv, reply_budget
 from trace_plugin.environments.runner import ChatLoopAgent, EpisodeResult, Runner
 from trace_plugin.environments.synthesis import CapturedInterface
 from trace_plugin.improver.config import HELD_OUT_SEEDS, ImproverConfig
+from trace_plugin.improver.errors import ConfigError
 from trace_plugin.improver.outputs import Evaluation, Routing, Scores, Summary, TargetScores, Verdict
 from trace_plugin.mining.detectors import Trajectory
 from trace_plugin.mining.kinds import label_episode
@@ -136,7 +137,7 @@ async def chat_evaluator(improver: Improver, model: str, seeds: Sequence[int]) -
     """The default target evaluation: a chat loop with the agent's prompt and few-shot."""
     config = improver.config
     if config.target is None:
-        raise ValueError("target_seeds need a target environment")
+        raise ConfigError("target", "target_seeds need a target environment")
     factory: Callable[[], Environment] = env_factory(config.target, improver.store)
     horizon = target_turns(config.target)
     interface = CapturedInterface.from_store(improver.store, config.agent)

@@ -16,7 +16,7 @@ from trace_plugin.environments.synthesis import CapturedInterface
 from trace_plugin.gateway.admin import GatewayAdmin
 from trace_plugin.improver import evaluation, monitor, stages
 from trace_plugin.improver.config import ImproverConfig
-from trace_plugin.improver.errors import ImproverError
+from trace_plugin.improver.errors import ConfigError, ImproverError
 from trace_plugin.improver.outputs import (
     OUTPUTS,
     CycleEnd,
@@ -56,6 +56,9 @@ class Improver:
         recorder: Recorder | None = None,
         console: Console | None = None,
     ) -> None:
+        if evaluator is None and config.target is None and config.target_seeds:
+            # Found here, not by the evaluate stage after a cycle's training.
+            raise ConfigError("target", "target_seeds need a target to play them in, or an evaluator")
         self.store, self.config = store, config
         self.executor = executor
         self.recorder = recorder or default_recorder()
@@ -99,8 +102,8 @@ class Improver:
         return monitor.due(self)
 
     def monitor(self) -> Deployment | None:
-        """Promote or roll back a canary once its window is full; roll the live deployment
-        back when its success rate fell below the previous one's."""
+        """Promote or roll back a canary once its window is full or its deadline passed; roll
+        the live deployment back when its success rate fell below the previous one's."""
         return monitor.monitor(self)
 
     def _open_cycle(self) -> str:

@@ -78,30 +78,45 @@ def monitor(improver: Improver) -> Deployment | None:
 def judge_canary(improver: Improver, trial: Deployment) -> Deployment | None:
     """Once the canary and the rest of the traffic each have ``monitor_window`` episodes
     with an outcome since it went out, promote it, or roll it back when its success rate
-    is more than ``rollback_drop`` below the rest's. None while the window fills."""
+    is more than ``rollback_drop`` below the rest's. None while the window fills, until
+    ``canary_deadline``: then it is judged on what it has when each arm has half the
+    window, and rolled back otherwise."""
     store, config = improver.store, improver.config
+    window = config.monitor_window
     served, rest = store.arm_outcomes(
-        config.agent, trial.updated_at, router_version(trial.router), last=config.monitor_window
+        config.agent, trial.updated_at, router_version(trial.router), last=window
     )
-    if min(served.labeled, rest.labeled) < config.monitor_window:
-        return None
+    episodes = min(served.labeled, rest.labeled)
+    at_deadline = ""
+    if episodes < window:
+        if (utcnow() - trial.updated_at).total_seconds() < config.canary_deadline:
+            return None
+        if episodes < (window + 1) // 2:
+            return _roll_back_canary(
+                improver, trial, f"rolled back: deadline passed with {episodes} of {window} episodes"
+            )
+        at_deadline = f"decided at deadline on {episodes} of {window} episodes: "
     canary_rate, rest_rate = served.success_rate or 0.0, rest.success_rate or 0.0
     figures = (
-        f"canary success {canary_rate:.2f} against {rest_rate:.2f} for the rest, "
-        f"{config.monitor_window} episodes each"
+        f"canary success {canary_rate:.2f} over {served.recent} episodes against {rest_rate:.2f}"
+        f" over {rest.recent} for the rest"
     )
-    live = improver.live()
     if canary_rate < rest_rate - config.rollback_drop:
-        asyncio.run(improver.gateway.set_router(live.router if live else StaticSpec().to_dict()))
-        trial.status, trial.reasons = (
-            "rolled_back",
-            [*trial.reasons, f"{figures}: more than {config.rollback_drop} below"],
+        return _roll_back_canary(
+            improver, trial, f"{at_deadline}{figures}: more than {config.rollback_drop} below"
         )
-        store.save_deployment(trial)
-        improver.console.log(f"[red]rolled back canary {trial.id}[/]: {trial.reasons[-1]}")
-        return live
     asyncio.run(improver.gateway.set_router(trial.router))
-    trial.reasons = [*trial.reasons, f"promoted: {figures}"]
+    trial.reasons = [*trial.reasons, f"{at_deadline}promoted: {figures}"]
     store.make_live(trial)  # one transaction: the live one before is superseded
-    improver.console.log(f"[green]promoted canary {trial.id}[/]: {figures}")
+    improver.console.log(f"[green]promoted canary {trial.id}[/]: {trial.reasons[-1]}")
     return trial
+
+
+def _roll_back_canary(improver: Improver, trial: Deployment, reason: str) -> Deployment | None:
+    """All the traffic back to the live deployment (the base model without one); returns it."""
+    live = improver.live()
+    asyncio.run(improver.gateway.set_router(live.router if live else StaticSpec().to_dict()))
+    trial.status, trial.reasons = "rolled_back", [*trial.reasons, reason]
+    improver.store.save_deployment(trial)
+    improver.console.log(f"[red]rolled back canary {trial.id}[/]: {reason}")
+    return live
