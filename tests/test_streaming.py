@@ -334,6 +334,10 @@ def test_a_client_that_leaves_mid_stream_stops_its_row_only(gateway, embedded_ba
     [step] = _eventually(lambda: steps_of(gateway, "left-early"))
     assert step.error == CANCELLED
     assert step.output["content"].startswith(texts["left"]) and texts["left"]
+    ended = _eventually(
+        lambda: steps_of(gateway, "left-early") and gateway.recorder.store.get_episode("left-early")
+    )
+    assert (ended.status, ended.error) == ("cancelled", CANCELLED)  # ended, not left running
     assert _eventually(lambda: embedded_backend.cancelled_rows == before + 1)  # counted once generate returns
 
 

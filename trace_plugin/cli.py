@@ -190,6 +190,13 @@ def serve(
     admin_token: Annotated[str | None, typer.Option(envvar="TRACE_PLUGIN_ADMIN_TOKEN")] = None,
     allow_remote_admin: bool = False,
     record: Annotated[bool, typer.Option(help="Record every call into the store.")] = True,
+    conversation_timeout: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            help="Seconds after a reply with tool calls before a conversation with no next call is ended.",
+        ),
+    ] = 600.0,
     db: DbOption = None,
 ) -> None:
     """Serve an OpenAI-compatible API with LoRA experts, routing and capture."""
@@ -220,6 +227,7 @@ def serve(
         allow_remote_admin=allow_remote_admin,
         record=record,
         adapters=dict(spec.partition("=")[::2] for spec in adapter or []),
+        conversation_timeout=conversation_timeout,
     )
     config.adapter_root.mkdir(parents=True, exist_ok=True)
     application = create_app(backend, config=config, router=KeywordRouter(rules), recorder=configure(db))

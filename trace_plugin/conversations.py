@@ -7,6 +7,14 @@ the messages of its last call plus the reply and what came after, so a call whos
 messages extend a recorded exchange continues that exchange's episode, and any other call
 starts a new one. A reply without tool calls ends the episode; a later call extending it
 reopens nothing, it just adds steps and a newer end.
+
+A conversation whose last reply asked for tools may never be continued (a terminating
+tool, the agent's turn cap, a client that gave up), so nothing would end it: it is ended
+``completed`` once idle past ``idle_timeout`` (:meth:`ConversationEpisodes.sweep`) or
+pushed out of the tracked set, and ``interrupted`` by :meth:`ConversationEpisodes.close`
+at shutdown. A call can also end its episode itself (``ModelCall.end``): a client that
+hung up mid-reply ends it ``cancelled``. None is left ``running``, where mining would
+never see it.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,10 +30,12 @@ from datetime import datetime
 from typing import Any
 
 from trace_plugin.chat_template import arguments_object, content_text
-from trace_plugin.records.trajectory import EpisodeEnd, Step, utcnow
+from trace_plugin.records.trajectory import EpisodeEnd, EpisodeStatus, Step, utcnow
 from trace_plugin.tracer import ActiveEpisode, Tracer
 
 _MAX_TRACKED = 10_000
+IDLE_TIMEOUT = 600.0  # seconds after a reply with tool calls before a silent conversation is over
+SHUT_DOWN = "the server stopped with the conversation open"
 # Sent as "false" by a client that records its own episode of its calls (the runner's chat
 # loop), so that a recording server (the gateway) does not make a second episode of them.
 RECORD_HEADER = "X-Trace-Record"
@@ -94,23 +105,56 @@ class ModelCall:
     started_at: datetime | None = None
     token_ids: Any = None
     record: bool = True  # False: not recorded (its caller records its own episode of it)
+    end: EpisodeStatus | None = None  # end the episode with this status, ``error`` its reason
+
+
+@dataclass(slots=True)
+class _Conversation:
+    """A tracked episode, and whether a reply still waits on the agent (``open``)."""
+
+    tracer: Tracer
+    active: ActiveEpisode
+    last_call: float  # time.monotonic() of its latest call
+    model: str
+    open: bool = True
+    reply: dict[str, Any] | None = None
 
 
 class ConversationEpisodes:
     """Records model calls as steps of the episodes they belong to, per agent."""
 
-    def __init__(self, tracer_for: Callable[[str], Tracer]) -> None:
+    def __init__(
+        self,
+        tracer_for: Callable[[str], Tracer],
+        *,
+        idle_timeout: float = IDLE_TIMEOUT,
+        max_tracked: int = _MAX_TRACKED,
+    ) -> None:
         self._tracer_for = tracer_for
-        self._by_id: OrderedDict[str, tuple[Tracer, ActiveEpisode]] = OrderedDict()
+        self.idle_timeout = idle_timeout
+        self._max_tracked = max_tracked
+        self._by_id: OrderedDict[str, _Conversation] = OrderedDict()  # least recently called first
+        self._open: OrderedDict[str, _Conversation] = OrderedDict()  # those open, the same order
         self._by_digest: OrderedDict[bytes, str] = OrderedDict()
         self._lock = threading.Lock()  # litellm calls its loggers from many threads
 
     def record(self, call: ModelCall) -> str:
-        """Store ``call`` as an LLM step; returns its episode id."""
+        """Store ``call`` as an LLM step; returns its episode id. Conversations idle past
+        ``idle_timeout`` are ended on the way."""
         with self._lock:
-            tracer, active = self._begin(call)
+            self._sweep()
+            conversation = self._begin(call)
+            tracer, active = conversation.tracer, conversation.active
             if call.reply is not None:
                 self._remember(self._by_digest, prefix_digests([*call.messages, call.reply])[-1], active.id)
+            conversation.reply, conversation.model = call.reply, call.model
+            conversation.open = call.end is None and (
+                call.reply is None or bool(call.reply.get("tool_calls"))
+            )
+            if conversation.open:
+                self._remember(self._open, active.id, conversation)
+            else:
+                self._open.pop(active.id, None)
         tracer.record_step(
             Step(
                 episode_id=active.id,
@@ -131,10 +175,37 @@ class ConversationEpisodes:
                 tools=call.tools,
             )
         )
-        if call.reply is not None and not call.reply.get("tool_calls"):
-            end = EpisodeEnd(active.id, "completed", output=call.reply, model=call.model)
-            tracer.recorder.submit(end, tracer.policy)
+        if call.end is not None:
+            _end(conversation, call.end, call.error)
+        elif not conversation.open:
+            _end(conversation, "completed")
         return active.id
+
+    def sweep(self) -> int:
+        """End the open conversations idle past ``idle_timeout``; returns how many."""
+        with self._lock:
+            return self._sweep()
+
+    def close(self) -> int:
+        """End every open conversation (``interrupted``): the server is stopping."""
+        with self._lock:
+            ended = list(self._open.values())
+            self._open.clear()
+        for conversation in ended:
+            _end(conversation, "interrupted", SHUT_DOWN)
+        return len(ended)
+
+    def _sweep(self) -> int:
+        deadline = time.monotonic() - self.idle_timeout
+        ended = 0
+        while self._open:
+            conversation = next(iter(self._open.values()))
+            if conversation.last_call > deadline:
+                break  # the rest were called later
+            self._open.popitem(last=False)
+            _end(conversation, "completed")
+            ended += 1
+        return ended
 
     def placed(self, call: ModelCall) -> bool:
         """Whether ``call``'s episode is settled: it names one, opens a conversation, or
@@ -151,11 +222,13 @@ class ConversationEpisodes:
                 return self._by_digest[digest]
         return None
 
-    def _begin(self, call: ModelCall) -> tuple[Tracer, ActiveEpisode]:
+    def _begin(self, call: ModelCall) -> _Conversation:
         episode_id = call.episode_id if call.episode_id is not None else self._known_prefix(call)
         if episode_id is not None and episode_id in self._by_id:
             self._by_id.move_to_end(episode_id)
-            return self._by_id[episode_id]
+            conversation = self._by_id[episode_id]
+            conversation.last_call = time.monotonic()
+            return conversation
         tracer = self._tracer_for(call.agent)
         active = tracer.start_episode(
             call.input if call.input is not None else {"messages": call.messages},
@@ -164,15 +237,27 @@ class ConversationEpisodes:
             adapter=call.adapter,
             router=call.router,
         )
-        self._remember(self._by_id, active.id, (tracer, active))
-        return tracer, active
+        conversation = _Conversation(tracer, active, time.monotonic(), call.model)
+        for evicted in self._remember(self._by_id, active.id, conversation):
+            if self._open.pop(evicted.active.id, None) is not None:
+                _end(evicted, "completed")
+        return conversation
 
-    @staticmethod
-    def _remember(table: OrderedDict, key: Any, value: Any) -> None:
+    def _remember(self, table: OrderedDict, key: Any, value: Any) -> list[Any]:
+        """Track ``key``; returns the values pushed out past ``max_tracked``."""
         table[key] = value
         table.move_to_end(key)
-        while len(table) > _MAX_TRACKED:
-            table.popitem(last=False)
+        evicted = []
+        while len(table) > self._max_tracked:
+            evicted.append(table.popitem(last=False)[1])
+        return evicted
+
+
+def _end(conversation: _Conversation, status: EpisodeStatus, error: str | None = None) -> None:
+    conversation.open = False
+    tracer, active = conversation.tracer, conversation.active
+    end = EpisodeEnd(active.id, status, output=conversation.reply, error=error, model=conversation.model)
+    tracer.recorder.submit(end, tracer.policy)
 
 
 def _tool_name(tool: dict[str, Any]) -> str:

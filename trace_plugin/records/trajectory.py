@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 StepKind = Literal["llm", "tool", "node"]
 AGENT_NAME_LENGTH = 200  # the store's limit; a longer name is refused when a capture is set up
-EpisodeStatus = Literal["running", "completed", "error", "interrupted"]
+EpisodeStatus = Literal["running", "completed", "error", "interrupted", "cancelled"]
 
 
 def check_agent_name(agent: Any) -> str:
