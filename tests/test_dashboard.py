@@ -307,7 +307,7 @@ def test_capabilities_page(client: TestClient, corpus: Corpus) -> None:
 
 def test_read_only_and_admin_token(corpus: Corpus) -> None:
     app = create_dashboard(corpus.store, admin_token="s3cret")
-    assert {m for r in app.routes if isinstance(r, APIRoute) for m in r.methods} == {"GET"}
+    assert {m for r in app.routes if isinstance(r, APIRoute) for m in r.methods} == {"GET", "HEAD"}
     client = TestClient(app)
     for method in ("POST", "PUT", "PATCH", "DELETE"):
         assert client.request(method, "/episodes").status_code == 403

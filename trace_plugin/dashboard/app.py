@@ -5,24 +5,31 @@ with no script at all: filters are plain GET forms and the plot is inline SVG. E
 captured is untrusted (prompts, tool arguments and results come from users and tools), so
 templates autoescape and the Content-Security-Policy forbids scripts besides.
 
-Every route only reads. A request with any other method than GET or HEAD is refused
-unless it carries ``Authorization: Bearer <admin_token>``, so actions added later (relabel
-an episode, promote a deployment) are admin-only from the start; without a token configured
-the dashboard refuses them all.
+Every route only reads, and answers GET and HEAD. A request with any other method is
+refused unless it carries ``Authorization: Bearer <admin_token>``, so actions added later
+(relabel an episode, promote a deployment) are admin-only from the start; without a token
+configured the dashboard refuses them all.
+
+Query values are checked before any query runs: a value the databases cannot hold (a NUL,
+a page past a 64-bit offset) is a 400 page, never a database error. Every answer, the
+guard's 403 and error pages included, carries the security headers.
 """
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, get_args
+from typing import Annotated, Any, get_args
 from urllib.parse import quote, urlencode
 
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.base import RequestResponseEndpoint
 
 from trace_plugin.dashboard import queries as q
 from trace_plugin.dashboard.conversation import conversation, pretty
@@ -31,7 +38,10 @@ from trace_plugin.records.outcome import outcome_of
 from trace_plugin.store import Store
 
 PAGE_SIZE = 50
+# The last page whose offset both databases can take: OFFSET is a signed 64-bit integer.
+MAX_PAGE = (2**63 - 1) // PAGE_SIZE
 SAFE_METHODS = {"GET", "HEAD"}
+READ_METHODS = sorted(SAFE_METHODS)  # every route's: HEAD runs as GET, and the server drops its body
 SECURITY_HEADERS = {
     # No script may run: a payload that slipped past escaping would stay inert.
     "Content-Security-Policy": (
@@ -70,6 +80,15 @@ def _blank(value: str | None) -> str | None:
     return value.strip() or None
 
 
+def _text(value: str | None, name: str) -> str | None:
+    """A free-text filter. PostgreSQL cannot hold a NUL, so no stored value has one (the
+    store replaces it) and a filter with one is refused rather than sent to the database."""
+    value = _blank(value)
+    if value is not None and "\x00" in value:
+        raise HTTPException(400, f"{name}: NUL characters are not allowed")
+    return value
+
+
 def _time(value: str | None, name: str) -> datetime | None:
     """A datetime-local field (or any ISO time) read as UTC unless it names its zone."""
     value = _blank(value)
@@ -77,9 +96,10 @@ def _time(value: str | None, name: str) -> datetime | None:
         return None
     try:
         parsed = datetime.fromisoformat(value)
-    except ValueError as exc:
-        raise HTTPException(400, f"{name}: not an ISO date or time: {value!r}") from exc
-    return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
+        # A zone can carry a time past year 1 or 9999, which no datetime holds in UTC.
+        return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
+    except (ValueError, OverflowError) as exc:
+        raise HTTPException(400, f"{name}: not an ISO date or time in years 1 to 9999: {value!r}") from exc
 
 
 def _choice(value: str | None, allowed: tuple[str, ...], name: str) -> Any:
@@ -100,27 +120,50 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
     def render(template: str, code: int = 200, **context: Any) -> HTMLResponse:
         return HTMLResponse(env.get_template(template).render(**context), status_code=code)
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next: Any) -> Response:
-        if request.method not in SAFE_METHODS:
-            supplied = request.headers.get("authorization", "").encode()  # bytes: any header compares
-            if admin_token is None or not hmac.compare_digest(supplied, f"Bearer {admin_token}".encode()):
-                return PlainTextResponse(
-                    "the dashboard is read-only; changes need 'Authorization: Bearer <admin token>'", 403
-                )
-        response: Response = await call_next(request)
+    def error_page(code: int, message: str, headers: Mapping[str, str] | None = None) -> HTMLResponse:
+        response = render("error.html", code, nav="", status=code, message=message)
+        response.headers.update(headers or {})
+        return response
+
+    def secured(response: Response) -> Response:
         response.headers.update(SECURITY_HEADERS)
         return response
 
+    def is_admin(request: Request) -> bool:
+        supplied = request.headers.get("authorization", "").encode()  # bytes: any header compares
+        return admin_token is not None and hmac.compare_digest(supplied, f"Bearer {admin_token}".encode())
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next: RequestResponseEndpoint) -> Response:
+        """Refuses changes without the admin token; every answer leaving here, the refusal
+        included, gets the security headers."""
+        if request.method in SAFE_METHODS or is_admin(request):
+            return secured(await call_next(request))
+        return secured(
+            error_page(403, "the dashboard is read-only; changes need 'Authorization: Bearer <admin token>'")
+        )
+
     @app.exception_handler(StarletteHTTPException)  # FastAPI's subclass and the router's 404/405
     async def _error(_: Request, exc: StarletteHTTPException) -> HTMLResponse:
-        return render("error.html", exc.status_code, nav="", status=exc.status_code, message=exc.detail)
+        return error_page(exc.status_code, exc.detail, exc.headers)  # a 405 keeps its Allow
 
-    @app.get("/", include_in_schema=False)
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> HTMLResponse:
+        """A value its parameter's type refuses (``page=x``, a page past MAX_PAGE): a 400
+        page like the other bad values, not FastAPI's 422 JSON."""
+        return error_page(400, "; ".join(f"{e['loc'][-1]}: {e['msg']}" for e in exc.errors()))
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception) -> Response:
+        """Starlette answers an unhandled error outside every middleware (and logs it), so
+        this page sets the security headers itself."""
+        return secured(error_page(500, "internal error; the server's log has the details"))
+
+    @app.api_route("/", methods=READ_METHODS, include_in_schema=False)
     def index() -> RedirectResponse:
         return RedirectResponse("/episodes", status_code=307)
 
-    @app.get("/episodes")
+    @app.api_route("/episodes", methods=READ_METHODS)
     def episodes(
         agent: str | None = None,
         outcome: str | None = None,
@@ -129,18 +172,17 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
         adapter: str | None = None,
         since: str | None = None,
         until: str | None = None,
-        page: int = 1,
+        page: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 1,
     ) -> HTMLResponse:
         where = q.EpisodeFilter(
-            agent=_blank(agent),
+            agent=_text(agent, "agent"),
             outcome=_choice(outcome, q.OUTCOMES, "outcome"),
             status=_choice(status, q.STATUSES, "status"),
-            source=_blank(source),
-            adapter=_blank(adapter),
+            source=_text(source, "source"),
+            adapter=_text(adapter, "adapter"),
             since=_time(since, "since"),
             until=_time(until, "until"),
         )
-        page = max(page, 1)
         total = q.count_episodes(engine, where)
         rows = q.list_episodes(engine, where, limit=PAGE_SIZE, offset=(page - 1) * PAGE_SIZE)
         form = {
@@ -173,7 +215,7 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
             next_link=link(page + 1) if page < pages else None,
         )
 
-    @app.get("/episodes/{episode_id:path}")
+    @app.api_route("/episodes/{episode_id:path}", methods=READ_METHODS)
     def episode(episode_id: str) -> HTMLResponse:
         found = store.get_episode(episode_id)
         if found is None:
@@ -187,12 +229,12 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
             feedback=store.feedback_for(episode_id),
         )
 
-    @app.get("/success")
+    @app.api_route("/success", methods=READ_METHODS)
     def success(
         agent: str | None = None, bucket: str = "auto", since: str | None = None, until: str | None = None
     ) -> HTMLResponse:
         """Success over time; the ``auto`` bucket fits the data's time range."""
-        agent = _blank(agent)
+        agent = _text(agent, "agent")
         start, end = _time(since, "since"), _time(until, "until")
         chosen = _choice(bucket, ("auto", *get_args(q.Bucket)), "bucket") or "auto"
         size = q.fitting_bucket(engine, agent=agent, since=start, until=end) if chosen == "auto" else chosen
@@ -211,10 +253,11 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
             bucket=size,
         )
 
-    @app.get("/capabilities")
+    @app.api_route("/capabilities", methods=READ_METHODS)
     def capabilities(agent: str | None = None, run: str | None = None) -> HTMLResponse:
+        agent, run = _text(agent, "agent"), _text(run, "run")
         mined = q.capability_agents(engine)
-        chosen = _blank(agent) or (mined[0] if mined else None)
+        chosen = agent or (mined[0] if mined else None)
         runs = q.mining_runs(engine, chosen) if chosen else []
         # A run of the agent picked before may still be in the form: the latest run then.
         chosen_run = run if run in {r.id for r in runs} else (runs[0].id if runs else None)

@@ -1,0 +1,204 @@
+"""The dashboard against hostile requests, on both stores: values no database can take are
+400 pages, every answer carries the security headers (the guard's 403 and a crash's 500
+too), HEAD answers as GET does without the body, and generated query strings on every route
+never get a 5xx."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from datetime import timedelta, timezone
+from urllib.parse import quote
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import strategies as st
+from test_dashboard import Corpus, seed
+
+from trace_plugin.dashboard import create_dashboard
+from trace_plugin.dashboard import queries as q
+from trace_plugin.dashboard.app import MAX_PAGE, SECURITY_HEADERS
+from trace_plugin.gateway.server import start_in_thread
+
+
+@pytest.fixture
+def dashboard(db_url: str) -> Iterator[tuple[TestClient, Corpus]]:
+    """The seeded dashboard on each store; a crash is a 500 answer here, not an exception."""
+    corpus = seed(db_url)
+    yield TestClient(create_dashboard(corpus.store), raise_server_exceptions=False), corpus
+    corpus.store.close()
+
+
+def assert_secured(response: httpx.Response) -> None:
+    for name, value in SECURITY_HEADERS.items():
+        assert response.headers.get(name) == value, (response.status_code, name, response.headers)
+
+
+def assert_error_page(response: httpx.Response, status: int) -> None:
+    assert response.status_code == status, (response.url, response.text[:500])
+    assert response.headers["content-type"].startswith("text/html")
+    assert f"<h1>{status}</h1>" in response.text
+    assert_secured(response)
+
+
+BAD_VALUES = [
+    "/episodes?page=99999999999999999999999",  # past a 64-bit OFFSET: SQLite and PostgreSQL raised
+    f"/episodes?page={MAX_PAGE + 1}",
+    "/episodes?page=0",
+    "/episodes?page=-99999999999999999999",
+    "/episodes?page=" + "9" * 5000,
+    "/episodes?page=two",
+    "/episodes?agent=%00",  # PostgreSQL text cannot hold a NUL: it raised
+    "/episodes?source=a%00b",
+    "/episodes?adapter=%00",
+    "/success?agent=%00",
+    "/capabilities?agent=%00",
+    "/capabilities?agent=alpha&run=%00",
+    "/episodes?since=0001-01-01T00:00%2B01:00",  # in UTC before year 1
+    "/success?until=9999-12-31T23:59-01:00",  # in UTC after year 9999
+]
+
+
+@pytest.mark.parametrize("url", BAD_VALUES)
+def test_values_no_database_can_take_are_400_pages(dashboard: tuple[TestClient, Corpus], url: str) -> None:
+    client, _ = dashboard
+    assert_error_page(client.get(url), 400)
+
+
+def test_the_last_page_the_bound_allows_is_served(dashboard: tuple[TestClient, Corpus]) -> None:
+    client, _ = dashboard
+    last = client.get("/episodes", params={"page": MAX_PAGE})
+    assert last.status_code == 200 and 'class="episode-row"' not in last.text
+    assert f'href="/episodes?page={MAX_PAGE - 1}"' in last.text  # back towards the data
+
+
+def test_every_answer_carries_the_security_headers(sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    corpus = seed(sqlite_url)
+    client = TestClient(create_dashboard(corpus.store, admin_token="s3cret"), raise_server_exceptions=False)
+    assert_error_page(client.post("/episodes"), 403)  # the guard refuses before any route runs
+    assert_error_page(client.request("OPTIONS", "/episodes"), 403)
+    not_allowed = client.post("/episodes", headers={"Authorization": "Bearer s3cret"})
+    assert_error_page(not_allowed, 405)
+    assert set(not_allowed.headers["allow"].split(", ")) == {"GET", "HEAD"}
+    assert_error_page(client.get("/nowhere"), 404)
+    assert_error_page(client.get("/episodes/no-such-episode"), 404)
+    assert_error_page(client.get("/success", params={"bucket": "week"}), 400)
+    redirect = client.get("/", follow_redirects=False)
+    assert redirect.status_code == 307
+    assert_secured(redirect)
+
+    def fail(*_: object, **__: object) -> int:
+        raise RuntimeError("the database went away")
+
+    monkeypatch.setattr(q, "count_episodes", fail)
+    crashed = client.get("/episodes")
+    assert_error_page(crashed, 500)
+    assert "went away" not in crashed.text  # the log has the details, not the page
+    corpus.store.close()
+
+
+def test_head_answers_as_get_does_without_the_body(sqlite_url: str) -> None:
+    corpus = seed(sqlite_url)
+    app = create_dashboard(corpus.store)
+    client = TestClient(app)
+    paths = ["/", "/episodes?agent=alpha", f"/episodes/{corpus.ids['a3']}", "/episodes/missing",
+             "/success?bucket=day", "/capabilities", "/episodes?page=0"]  # fmt: skip
+    for path in paths:
+        got = client.get(path, follow_redirects=False)
+        head = client.head(path, follow_redirects=False)
+        assert (head.status_code, head.content) == (got.status_code, b""), path
+        for name in ("content-type", "content-length", "location", *SECURITY_HEADERS):
+            assert head.headers.get(name) == got.headers.get(name), (path, name)
+
+    # Through the real server: the headers, then nothing.
+    with start_in_thread(app) as server, socket.create_connection((server.host, server.port), 10) as s:
+        s.sendall(b"HEAD /episodes HTTP/1.1\r\nHost: dashboard\r\nConnection: close\r\n\r\n")
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    header, _, body = answer.partition(b"\r\n\r\n")
+    assert header.startswith(b"HTTP/1.1 200") and b"content-security-policy" in header.lower()
+    assert body == b""
+    corpus.store.close()
+
+
+# -- generated query strings -------------------------------------------------------------------
+
+# {real} is a stored episode's id, {any} a generated one.
+ROUTES = ["/", "/episodes", "/success", "/capabilities", "/episodes/{real}", "/episodes/{any}", "/nowhere"]
+EDGES = ["", " ", "\x00", "alpha\x00", "0", "-1", "1e3", "nan", str(MAX_PAGE), str(MAX_PAGE + 1),
+         "99999999999999999999999", "0001-01-01T00:00+01:00", "9999-12-31T23:59-01:00"]  # fmt: skip
+offsets = st.timedeltas(min_value=-timedelta(hours=23, minutes=59), max_value=timedelta(hours=23, minutes=59))
+times = st.datetimes(timezones=st.none() | offsets.map(timezone)).map(lambda d: d.isoformat())
+values = st.one_of(
+    st.sampled_from(EDGES),
+    st.text(max_size=24),  # any code point but a surrogate, NUL and controls included
+    st.integers(1, 30).flatmap(lambda n: st.text("0123456789", min_size=n, max_size=n)),  # past 64 bits too
+    times,
+)
+# What each route parameter takes, so that generated requests get past validation to the queries.
+VALID: dict[str, st.SearchStrategy[str]] = {
+    "agent": st.sampled_from(["alpha", "beta", "mallory"]),
+    "outcome": st.sampled_from(q.OUTCOMES),
+    "status": st.sampled_from(q.STATUSES),
+    "source": st.sampled_from(["langgraph", "gateway", "api"]),
+    "adapter": st.sampled_from(["billing@1", "billing@2"]),
+    "since": times,
+    "until": times,
+    "page": st.integers(1, 3).map(str),
+    "bucket": st.sampled_from(["auto", "minute", "hour", "day"]),
+    "run": st.just("run-1"),
+}
+KEYS = sorted(VALID)
+
+
+def _encode(pairs: dict[str, str]) -> list[str]:
+    return [f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in pairs.items()]
+
+
+extras = st.one_of(
+    st.dictionaries(st.text(max_size=6), values, max_size=2).map(_encode),  # names no route reads
+    # Percent-encoded bytes, invalid UTF-8 among them.
+    st.lists(
+        st.builds(
+            lambda k, raw: f"{k}={''.join(f'%{b:02X}' for b in raw)}",
+            st.sampled_from(KEYS),
+            st.binary(max_size=12),
+        ),
+        max_size=2,
+    ),
+    st.lists(st.text(alphabet="%=&;+?aZ09 ", max_size=16), max_size=2),  # malformed pieces, sent as they are
+)
+
+
+@st.composite
+def queries(draw: st.DrawFn) -> str:
+    """Values the routes take, some replaced by any other, then the extras."""
+    params = draw(st.fixed_dictionaries({}, optional=VALID))
+    for key in draw(st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True)):
+        params[key] = draw(values)
+    return "&".join(_encode(params) + draw(extras))
+
+
+@settings(
+    max_examples=75,
+    deadline=None,
+    # The fixture's store is only read, so sharing it between examples is what is wanted.
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(query=queries(), method=st.sampled_from(["GET", "HEAD"]), episode_id=st.text(max_size=16))
+@example(query="page=99999999999999999999999", method="GET", episode_id="")  # 500s before the fix
+@example(query="agent=%00", method="GET", episode_id="")
+def test_generated_query_strings_never_get_a_5xx(
+    dashboard: tuple[TestClient, Corpus], query: str, method: str, episode_id: str
+) -> None:
+    """Each query string goes to every route."""
+    client, corpus = dashboard
+    for route in ROUTES:
+        path = route.format(real=corpus.ids["a3"], any=quote(episode_id))
+        response = client.request(method, f"{path}?{query}", follow_redirects=False)
+        event(f"{route} {response.status_code}")  # --hypothesis-show-statistics: what the examples reached
+        assert response.status_code < 500, (method, path, query, response.text[:500])
+        assert_secured(response)
