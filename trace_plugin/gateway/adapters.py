@@ -6,9 +6,15 @@ so an old version is unloaded only once drained. A new version becomes live only
 the backend lists it and a probe request through it succeeds (ART issue #661: a stale
 adapter silently served after a reload).
 
+An adapter's name is a tool name (letters, digits, ``_`` and ``-``, at most 64) with at
+most one ``@version`` of the same; names a request means something else by (``base``,
+``default``, the base model's id, the served agent and its aliases) are reserved.
+
 A mixture of several adapters is served as one composed adapter
 (:mod:`trace_plugin.gateway.composition`), written under the adapter root and loaded on
-first use under its deterministic name; the registry keeps the few most recent loaded.
+first use under its deterministic name. The registry keeps the few most recent, within a
+count and a size on disk; an evicted one is unloaded once its requests are done, and only
+then is its folder deleted.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
+import shutil
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +34,8 @@ from trace_plugin.gateway.backend import Backend, BackendError, SamplingParams
 from trace_plugin.records.mixture import Mixture
 
 MIXTURES_DIR = ".mixtures"  # under the adapter root: composed adapters, rebuilt on demand
+MAX_MIXTURE_BYTES = 512 * 2**20  # composed adapters on disk, loaded or draining
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a tool name's characters: no NUL, path or ':'
 
 log = logging.getLogger("trace_plugin.gateway")
 
@@ -91,22 +101,49 @@ def _validate_adapter_dir(path: str | Path, root: Path, *, base_model: set[str],
     return resolved
 
 
+def check_adapter_name(full: str, reserved: frozenset[str] = frozenset()) -> None:
+    """Refuse a name that is not ``name`` or ``name@version`` in the tool-name character set,
+    or that would shadow what a request means by a reserved name."""
+    name, version = split_name(full)
+    if not _NAME.fullmatch(name) or (version is not None and not _NAME.fullmatch(version)):
+        raise AdapterError(
+            f"invalid adapter name {full!r}: a name of letters, digits, '_' and '-' (at most 64), "
+            "with at most one @version of the same"
+        )
+    if name in reserved:
+        raise AdapterError(
+            f"adapter name {name!r} is reserved: a request means the base model or the router by it "
+            f"({', '.join(sorted(reserved))})",
+            409,
+        )
+
+
 @dataclass(slots=True)
 class _Version:
     path: Path
     in_flight: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
+    size: int = 0  # bytes on disk, for a composed adapter
 
 
 class AdapterRegistry:
     """Which version of each adapter is live, and how to change that safely."""
 
     def __init__(
-        self, backend: Backend, root: str | Path, *, hot_swap: bool = True, mixtures: int = 4
+        self,
+        backend: Backend,
+        root: str | Path,
+        *,
+        hot_swap: bool = True,
+        mixtures: int = 4,
+        mixture_bytes: int = MAX_MIXTURE_BYTES,
+        reserved: frozenset[str] = frozenset(),
     ) -> None:
         self.backend = backend
         self.root = Path(root)
         self.max_mixtures = max(1, mixtures)  # composed adapters kept loaded
+        self.max_mixture_bytes = mixture_bytes  # and their bytes on disk (the newest is always kept)
+        self.reserved = reserved
         # False: vLLM's own semantics, every name independent, "a@2" does not replace "a@1".
         self.hot_swap = hot_swap
         self.live: dict[str, str] = {}  # name -> "name@version" serving new requests
@@ -177,11 +214,29 @@ class AdapterRegistry:
         parts = [(self._versions[name].path, weight) for name, weight in mixture.parts()]
         # Composed afresh on every load: a name@version unloaded and loaded again may be other files.
         path = await asyncio.to_thread(compose_adapter, parts, self.root / MIXTURES_DIR / served)
-        return await self._load_verified(served, path)
+        try:
+            version = await self._load_verified(served, path)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)  # never loaded: nothing else reads it
+            raise
+        version.size = sum(f.stat().st_size for f in path.iterdir())
+        return version
+
+    def clear_mixtures(self) -> None:
+        """Delete composed adapters left on disk by an earlier run: none of them is loaded."""
+        shutil.rmtree(self.root / MIXTURES_DIR, ignore_errors=True)
 
     def _evict(self) -> None:
-        """Keep the most recent composed adapters; the others unload once drained."""
-        while len(self._mixtures) > self.max_mixtures:
+        """Keep the most recent composed adapters, within the count and the bytes; the others
+        unload once drained, and their folders go after that."""
+
+        def over() -> bool:
+            held = sum(v.size for v in self._mixtures.values())  # the draining ones are on their way out
+            return len(self._mixtures) > self.max_mixtures or (
+                held > self.max_mixture_bytes and len(self._mixtures) > 1
+            )
+
+        while over():
             oldest, version = self._mixtures.popitem(last=False)
             self._draining[oldest] = version
             self._in_background(self._unload_evicted(oldest, version))
@@ -201,9 +256,8 @@ class AdapterRegistry:
 
     async def load(self, full: str, path: str | Path) -> str:
         """Load ``name@version`` from ``path``, verify it, make it live, retire the old one."""
+        check_adapter_name(full, self.reserved)
         name, version = split_name(full) if self.hot_swap else (full, None)
-        if not name or version == "":
-            raise AdapterError(f"invalid adapter name {full!r}")
         base_ids = {self.backend.model_id, str(getattr(self.backend, "model_dir", self.backend.model_id))}
         resolved = validate_adapter_dir(
             path, self.root, base_model=base_ids, max_rank=self.backend.max_lora_rank
@@ -286,9 +340,11 @@ class AdapterRegistry:
         unless a request brought it back meanwhile."""
         while version.in_flight:
             await version.drained.wait()
-        if self._draining.get(full) is version:
-            del self._draining[full]
-            await self._unload(full)
+        async with self._lock:  # composing the same mixture again waits for its folder to go
+            if self._draining.get(full) is version:
+                del self._draining[full]
+                await self._unload(full)
+                await asyncio.to_thread(shutil.rmtree, version.path, True)
 
     async def _unload(self, full: str) -> None:
         try:

@@ -37,7 +37,7 @@ from trace_plugin.conversations import (
     fingerprint,
 )
 from trace_plugin.errors import TracePluginError
-from trace_plugin.gateway.adapters import AdapterError, AdapterRegistry
+from trace_plugin.gateway.adapters import MAX_MIXTURE_BYTES, AdapterError, AdapterRegistry
 from trace_plugin.gateway.backend import Backend, BackendError, Completion, Delta, Events, SamplingParams
 from trace_plugin.gateway.protocol import (
     MAX_EPISODE_ID,
@@ -101,6 +101,10 @@ class GatewayConfig:
     # Seconds after a reply with tool calls before a conversation with no further call is
     # ended (completed): a terminating tool, a turn cap or a client that gave up sends none.
     conversation_timeout: float = IDLE_TIMEOUT
+    # Who may name a mixture the router did not choose ("a:0.5,b:0.5"): False, the admin
+    # (the token, from loopback unless allow_remote_admin); True, any client.
+    open_mixtures: bool = False
+    mixture_bytes: int = MAX_MIXTURE_BYTES  # composed adapters on disk; at most 4 are kept
 
 
 class EventStream(StreamingResponse):
@@ -136,7 +140,15 @@ def create_app(
 ) -> FastAPI:
     config = config or GatewayConfig()
     router = router or StaticRouter(None)
-    registry = AdapterRegistry(backend, config.adapter_root, hot_swap=config.hot_swap)
+    # What a request means by these names is not an adapter: none may be loaded under them.
+    reserved = frozenset({BASE_MODEL, DEFAULT_MODEL, backend.model_id, config.agent, *config.agent_aliases})
+    registry = AdapterRegistry(
+        backend,
+        config.adapter_root,
+        hot_swap=config.hot_swap,
+        mixture_bytes=config.mixture_bytes,
+        reserved=reserved,
+    )
     tracers: dict[str, Tracer] = {}
 
     def tracer_for(agent: str) -> Tracer:
@@ -154,6 +166,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        registry.clear_mixtures()
         for name, path in config.adapters.items():
             await registry.load(name, path)
         async with anyio.create_task_group() as tasks:
@@ -232,26 +245,14 @@ def create_app(
     # -- completions ---------------------------------------------------------------------
 
     async def select(
-        model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+        model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, request: Request
     ) -> tuple[Mixture, str | None]:
         """The adapters a request asks for (an adapter's name, or a mixture's label), or
         that the router picks, and the version of the router that picked them (None when the
-        request named them)."""
-        listing = registry.listing()
-        if model in listing:
-            return Mixture.of(model), None
+        request named them). Reserved names come first: no adapter can shadow them."""
         if model == BASE_MODEL:
             return Mixture(), None
-        if ":" in model and not model.startswith(ROUTER_PREFIX):
-            try:
-                mixture = Mixture.parse(model)
-            except ValueError as exc:
-                raise GatewayError(400, str(exc)) from exc
-            missing = [name for name in mixture.adapters if name not in listing]
-            if missing:
-                raise GatewayError(404, f"mixture names adapters that are not loaded: {missing}")
-            return mixture, None
-        routed = model in {backend.model_id, config.agent, "default", *config.agent_aliases}
+        routed = model in {backend.model_id, config.agent, DEFAULT_MODEL, *config.agent_aliases}
         candidate = (
             app.state.candidates.get(model.removeprefix(ROUTER_PREFIX))
             if model.startswith(ROUTER_PREFIX)
@@ -266,6 +267,20 @@ def create_app(
             app.state.routing_seconds += time.perf_counter() - start
             # An adapter unloaded since the router was set serves nobody; the rest keep their shares.
             return choice.restricted(registry.listing()), router_version(router.spec)
+        listing = registry.listing()
+        if model in listing:
+            return Mixture.of(model), None
+        if ":" in model and not model.startswith(ROUTER_PREFIX):
+            if not config.open_mixtures:  # composing costs disk and a load: the admin's to ask
+                check_admin(request, "a mixture the router did not choose")
+            try:
+                mixture = Mixture.parse(model)
+            except ValueError as exc:
+                raise GatewayError(400, str(exc)) from exc
+            missing = [name for name in mixture.adapters if name not in listing]
+            if missing:
+                raise GatewayError(404, f"mixture names adapters that are not loaded: {missing}")
+            return mixture, None
         raise GatewayError(404, f"model {model!r} does not exist", "invalid_request_error", "model_not_found")
 
     async def acquire(mixture: Mixture) -> tuple[str | None, str | None]:
@@ -326,7 +341,7 @@ def create_app(
         agent, episode, record = trace_ids(request, body)
         messages = [m.to_openai() for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        adapter, router = await select(body.model, messages, tools)
+        adapter, router = await select(body.model, messages, tools, request)
         # The reply is an assistant turn of the template we rendered: it may not write a tool's
         # answer, nor, under tool_choice "none", open a call. The tools are rendered either way, as
         # OpenAI does; a call that tool_choice requires is forced by starting the turn with it.
@@ -515,7 +530,7 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Any:
         agent, episode, record = trace_ids(request, body)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        adapter, router = await select(body.model, [{"role": "user", "content": prompts[0]}], None)
+        adapter, router = await select(body.model, [{"role": "user", "content": prompts[0]}], None, request)
         params = replace(_sampling(body, body.max_tokens or 16), top_logprobs=body.logprobs or 0)
 
         def call_of(prompt: str, served: str | None) -> ModelCall:
@@ -669,17 +684,15 @@ def create_app(
 
     # -- runtime LoRA administration (vLLM's API shapes) ---------------------------------
 
-    def check_admin(request: Request) -> None:
+    def check_admin(request: Request, what: str = "admin endpoints") -> None:
         supplied = request.headers.get("authorization", "")
         if config.admin_token is not None and not hmac.compare_digest(
             supplied, f"Bearer {config.admin_token}"
         ):
-            raise GatewayError(
-                401, "admin endpoints need 'Authorization: Bearer <token>'", "authentication_error"
-            )
+            raise GatewayError(401, f"{what} needs 'Authorization: Bearer <token>'", "authentication_error")
         host = request.client.host if request.client else ""
         if not config.allow_remote_admin and not _is_loopback(host):
-            raise GatewayError(403, "admin endpoints accept loopback clients only", "permission_error")
+            raise GatewayError(403, f"{what} is for loopback clients only", "permission_error")
 
     async def adapter_op(request: Request, op: Callable[[], Awaitable[Any]]) -> Any:
         check_admin(request)
@@ -755,6 +768,7 @@ ROUTER_PREFIX = "router:"
 CANCELLED = "cancelled: the client disconnected before the reply was complete"
 ENDED_EARLY = "the backend's stream ended before every completion did"
 BASE_MODEL = "base"  # the base model itself, whatever the router would choose
+DEFAULT_MODEL = "default"  # whatever the router chooses
 
 
 def _error(

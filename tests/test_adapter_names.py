@@ -1,0 +1,164 @@
+"""Adapters cannot shadow what a request means by a reserved name, and mixtures the router
+did not choose are the admin's to ask for, cached within a count and a size on disk.
+
+A scripted backend stands in for the model: it keeps which adapter served each request
+and what was loaded and unloaded, which is the point here, not what it generates.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from test_composition import _lora
+from test_gateway_hostile import ScriptedBackend
+
+from trace_plugin.gateway.adapters import MIXTURES_DIR
+from trace_plugin.gateway.app import GatewayConfig, create_app
+from trace_plugin.gateway.backend import Completion, SamplingParams
+from trace_plugin.model_files import prepare_tokenizer, resolve_model
+
+TOKEN = {"Authorization": "Bearer s3cret"}
+PAIR = (np.ones((2, 3), np.float32), np.ones((4, 2), np.float32))
+
+
+class Serving(ScriptedBackend):
+    """Loads adapters for real bookkeeping, and notes the adapter behind every generation."""
+
+    def __init__(self, tokenizer: Any, root: Path) -> None:
+        super().__init__(tokenizer)
+        self.root = root
+        self.loaded: set[str] = set()
+        self.served: list[str | None] = []
+        self.unloaded_while_on_disk: list[bool] = []  # per unload of a composed adapter
+
+    async def generate(self, prompt: str, params: SamplingParams, adapter: str | None) -> list[Completion]:
+        self.served.append(adapter)
+        return await super().generate(prompt, params, adapter)
+
+    async def load_adapter(self, name: str, path: Path) -> None:
+        self.loaded.add(name)
+
+    async def unload_adapter(self, name: str) -> None:
+        self.loaded.discard(name)
+        if name.startswith("mix-"):
+            self.unloaded_while_on_disk.append((self.root / MIXTURES_DIR / name).is_dir())
+
+    async def adapters(self) -> set[str]:
+        return set(self.loaded)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return prepare_tokenizer(AutoTokenizer.from_pretrained(resolve_model(None), local_files_only=True))
+
+
+def gateway(tokenizer: Any, root: Path, **settings: Any) -> tuple[TestClient, Serving]:
+    for name in ("alpha", "beta", "gamma"):
+        if not (root / name).exists():
+            _lora(root / name, 2, {"m.q": PAIR})
+    backend = Serving(tokenizer, root)
+    config = GatewayConfig(
+        adapter_root=root,
+        agent="support",
+        agent_aliases={"helper"},
+        admin_token="s3cret",
+        allow_remote_admin=True,  # the test client is not a loopback address
+        **settings,
+    )
+    return TestClient(create_app(backend, config=config)), backend
+
+
+def load(client: TestClient, name: str, path: str = "alpha") -> Any:
+    return client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, headers=TOKEN)
+
+
+def chat(client: TestClient, model: str, **headers: str) -> Any:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    return client.post("/v1/chat/completions", json=body, headers=headers)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["base", "base@1", "default@1", "scripted@1", "support@1", "helper"],
+)
+def test_a_reserved_name_cannot_be_loaded(tokenizer, tmp_path, name):
+    client, backend = gateway(tokenizer, tmp_path)
+    with client:
+        refused = load(client, name)
+        assert refused.status_code == 409 and "reserved" in refused.json()["error"]["message"]
+        assert backend.loaded == set()
+
+
+@pytest.mark.parametrize("name", ["a\x00b", "../../x", "a:b", "a@1@2", "a/b", "@1", "x" * 65, "é"])
+def test_a_name_outside_the_tool_name_characters_is_refused(tokenizer, tmp_path, name):
+    client, backend = gateway(tokenizer, tmp_path)
+    with client:
+        refused = load(client, name)
+        assert refused.status_code == 400 and "invalid adapter name" in refused.json()["error"]["message"]
+        assert backend.loaded == set()
+
+
+def test_reserved_names_mean_what_they_say_whatever_is_loaded(tokenizer, tmp_path):
+    client, backend = gateway(tokenizer, tmp_path)
+    with client:
+        assert load(client, "refunds@1").status_code == 200
+        backend.served.clear()  # the load's probe went through it
+        for model in ("base", "default", "support", "helper", "scripted"):
+            assert chat(client, model).status_code == 200
+        assert chat(client, "refunds").status_code == 200
+        assert backend.served == [None] * 5 + ["refunds@1"]  # the router's choice here is the base
+
+
+def test_a_mixture_the_router_did_not_choose_is_the_admins_to_ask_for(tokenizer, tmp_path):
+    client, _ = gateway(tokenizer, tmp_path)
+    with client:
+        for name in ("alpha", "beta"):
+            assert load(client, f"{name}@1", name).status_code == 200
+        refused = chat(client, "alpha:0.5,beta:0.5")
+        assert refused.status_code == 401 and "mixture" in refused.json()["error"]["message"]
+        assert not (tmp_path / MIXTURES_DIR).exists()  # nothing composed for it
+        assert chat(client, "alpha:0.5,beta:0.5", **TOKEN).status_code == 200
+    opened, _ = gateway(tokenizer, tmp_path, open_mixtures=True)
+    with opened:
+        for name in ("alpha", "beta"):
+            assert load(opened, f"{name}@1", name).status_code == 200
+        assert chat(opened, "alpha:0.5,beta:0.5").status_code == 200
+
+
+def test_composed_adapters_are_kept_within_a_count_and_a_size_and_deleted_once_unloaded(tokenizer, tmp_path):
+    stale = tmp_path / MIXTURES_DIR / "mix-from-an-earlier-run"
+    stale.mkdir(parents=True)
+    client, backend = gateway(tokenizer, tmp_path)
+    with client:
+        assert not stale.exists()  # no earlier run's composition is loaded: cleared at start
+        for name in ("alpha", "beta", "gamma"):
+            assert load(client, f"{name}@1", name).status_code == 200
+        for n in range(1, 12):  # eleven distinct labels: one composition each
+            assert chat(client, f"alpha:{n},beta:{12 - n}", **TOKEN).status_code == 200
+        folders = _settled(lambda: sorted((tmp_path / MIXTURES_DIR).iterdir()), 4)
+        assert len(folders) == 4  # the cache's count
+        assert len(backend.unloaded_while_on_disk) == 7 and all(backend.unloaded_while_on_disk)
+        assert {f.name for f in folders} == {name for name in backend.loaded if name.startswith("mix-")}
+    size = sum(f.stat().st_size for f in folders[0].iterdir())
+    small, backend = gateway(tokenizer, tmp_path, mixture_bytes=2 * size)
+    with small:
+        for name in ("alpha", "beta", "gamma"):
+            assert load(small, f"{name}@1", name).status_code == 200
+        for n in range(1, 6):
+            assert chat(small, f"beta:{n},gamma:{6 - n}", **TOKEN).status_code == 200
+        assert len(_settled(lambda: list((tmp_path / MIXTURES_DIR).iterdir()), 2)) == 2  # the bytes
+
+
+def _settled(probe: Any, expected: int) -> Any:
+    """``probe()`` once it has ``expected`` items: evicted adapters go in the background."""
+    deadline = time.monotonic() + 10
+    while len(value := probe()) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
