@@ -224,9 +224,10 @@ def test_a_reward_outside_0_1_is_refused_and_the_record_says_why(value, local_re
     local_recorder.submit(EpisodeEnd(episode.id, "completed", reward=value))
     assert local_recorder.flush(15)
     [fb] = local_recorder.store.feedback_for(episode.id)
-    assert fb.reward is None and fb.comment == f"reward refused: the reward {value!r} is outside [0, 1]"
+    refused = f"reward refused: the reward {value!r} is outside [0, 1]"
+    assert fb.reward is None and fb.comment == refused
     again = local_recorder.store.get_episode(episode.id)
-    assert again.reward is None and again.error.endswith(f"reward refused: the reward {value!r} is outside [0, 1]")
+    assert again.reward is None and again.error.endswith(refused)
 
 
 # -- one corpus, two backends, the same rows -----------------------------------------------
