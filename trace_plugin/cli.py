@@ -166,8 +166,16 @@ def serve(
     model: Annotated[
         str | None, typer.Option(help="Local HF model dir or .gguf; default: the embedded SmolLM2-135M.")
     ] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="embedded (in this process, starts in seconds) or vllm (a local vLLM server from "
+            ".venv-vllm, started, supervised and stopped with this one)."
+        ),
+    ] = "embedded",
     vllm_url: Annotated[
-        str | None, typer.Option(help="Front this vLLM server instead of running the model here.")
+        str | None,
+        typer.Option(help="Front a vLLM server someone else runs instead of running the model here."),
     ] = None,
     precision: Annotated[
         str,
@@ -206,10 +214,18 @@ def serve(
     from trace_plugin.gateway.routing import KeywordRouter
     from trace_plugin.recorder import configure
 
-    if vllm_url:
+    if engine not in ENGINES:
+        raise typer.BadParameter(
+            f"engine {engine!r} is not one of {', '.join(ENGINES)}", param_hint="--engine"
+        )
+    if engine == "vllm" and vllm_url:
+        raise typer.BadParameter("--engine vllm starts its own vLLM: drop --vllm-url", param_hint="--engine")
+    engine_server = _start_vllm(model) if engine == "vllm" else None
+    if vllm_url or engine_server is not None:
         from trace_plugin.gateway.vllm import VLLMBackend
 
-        backend: Any = VLLMBackend(vllm_url, model=model)
+        url = vllm_url or engine_server.url  # type: ignore[union-attr]
+        backend: Any = VLLMBackend(url, model=model)
     else:
         from trace_plugin.gateway.embedded import EmbeddedBackend
 
@@ -232,7 +248,28 @@ def serve(
     config.adapter_root.mkdir(parents=True, exist_ok=True)
     application = create_app(backend, config=config, router=KeywordRouter(rules), recorder=configure(db))
     console.print(f"serving [bold]{backend.model_id}[/] at http://{host}:{port}/v1")
-    uvicorn.run(application, host=host, port=port, log_level="info")
+    try:
+        uvicorn.run(application, host=host, port=port, log_level="info")
+    finally:
+        if engine_server is not None:
+            engine_server.stop()
+
+
+ENGINES = ("embedded", "vllm")
+
+
+def _start_vllm(model: str | None) -> Any:
+    """A local vLLM server for ``model``, healthy; its log under the data directory."""
+    from trace_plugin.gateway.vllm_server import VLLMServer, VLLMStartError
+    from trace_plugin.model_files import resolve_model
+
+    model_dir = resolve_model(model)
+    log_path = data_dir() / "logs" / "vllm.log"
+    with console.status(f"starting vLLM (about 90 s on 2 cores; log: {log_path})…"):
+        try:
+            return VLLMServer(model_dir, served_name=model_dir.name, log_path=log_path).start()
+        except VLLMStartError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--engine") from None
 
 
 envs_app = typer.Typer(help="Training and target environments.", no_args_is_help=True)

