@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from trace_plugin.gateway.backend import Engine
 from trace_plugin.model_files import Precision
 from trace_plugin.records.trajectory import Episode
 from trace_plugin.store import DB_URL_ENV, Store, data_dir
@@ -214,11 +215,7 @@ def serve(
     from trace_plugin.gateway.routing import KeywordRouter
     from trace_plugin.recorder import configure
 
-    if engine not in ENGINES:
-        raise typer.BadParameter(
-            f"engine {engine!r} is not one of {', '.join(ENGINES)}", param_hint="--engine"
-        )
-    if engine == "vllm" and vllm_url:
+    if _engine(engine) == "vllm" and vllm_url:
         raise typer.BadParameter("--engine vllm starts its own vLLM: drop --vllm-url", param_hint="--engine")
     engine_server = _start_vllm(model) if engine == "vllm" else None
     if vllm_url or engine_server is not None:
@@ -255,7 +252,11 @@ def serve(
             engine_server.stop()
 
 
-ENGINES = ("embedded", "vllm")
+def _engine(value: str) -> Engine:
+    if value not in get_args(Engine):
+        choices = ", ".join(get_args(Engine))
+        raise typer.BadParameter(f"engine {value!r} is not one of {choices}", param_hint="--engine")
+    return value  # type: ignore[return-value]
 
 
 def _start_vllm(model: str | None) -> Any:
@@ -636,6 +637,9 @@ def demo(
     quick: Annotated[bool, typer.Option("--quick", help="The small preset (about 15 minutes here).")] = False,
     out: Annotated[Path | None, typer.Option(help="Where to write demo.md, demo.png and demo.json.")] = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="Start over instead of resuming.")] = False,
+    engine: Annotated[
+        str, typer.Option(help="embedded, or vllm: a local vLLM server from .venv-vllm serves the agent.")
+    ] = "embedded",
 ) -> None:
     """The whole loop on the embedded model: before, traffic, improve, hot-swap, after.
 
@@ -644,7 +648,7 @@ def demo(
     from trace_plugin.demo import DemoError, main
 
     try:
-        main("quick" if quick else "default", out=out, fresh=fresh)
+        main("quick" if quick else "default", out=out, fresh=fresh, engine=_engine(engine))
     except DemoError as exc:
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(2) from None

@@ -37,6 +37,7 @@ import trace_plugin
 from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv
 from trace_plugin.environments.runner import EpisodeResult, LangGraphAgent, Runner, summarize
 from trace_plugin.errors import TracePluginError
+from trace_plugin.gateway.backend import Engine
 from trace_plugin.improver import Improver, ImproverConfig
 from trace_plugin.improver.evaluation import lacking_transfer, live_key
 from trace_plugin.improver.outputs import Mined
@@ -125,15 +126,22 @@ def cycle_report(store: Store, cycle: str, traffic_success: float, after: dict[s
 
 
 class SupportStack:
-    """The demo's world: a store, the embedded model behind the gateway, and the example
-    support agent pointed at it. The improvement benchmark runs on the same stack."""
+    """The demo's world: a store, the model behind the gateway (the embedded backend, or a
+    local vLLM server it starts and stops), and the example support agent pointed at it.
+    The improvement benchmark runs on the same stack."""
 
     def __init__(
-        self, home: Path, console: Console, *, fresh: bool = True, precision: Precision = "auto"
+        self,
+        home: Path,
+        console: Console,
+        *,
+        fresh: bool = True,
+        precision: Precision = "auto",
+        engine: Engine = "embedded",
     ) -> None:
         from trace_plugin.gateway.app import GatewayConfig, create_app
-        from trace_plugin.gateway.embedded import EmbeddedBackend
         from trace_plugin.gateway.server import start_in_thread
+        from trace_plugin.model_files import torch_dtype
 
         if fresh and home.exists():
             shutil.rmtree(home)  # an empty store and no experts; else a resumed run keeps both
@@ -145,14 +153,32 @@ class SupportStack:
         self.store.upgrade()
         self.recorder = trace_plugin.configure(self.db)
         self.support = _support_agent_module()
-        with console.status("loading SmolLM2-135M…"):
-            self.backend = EmbeddedBackend(max_batch=16, precision=precision)
+        # What "auto" resolves to: experts train in the precision the model is served in.
+        self.precision: Precision = str(torch_dtype(precision)).removeprefix("torch.")  # type: ignore[assignment]
+        self.engine = None
+        if engine == "vllm":
+            from trace_plugin.gateway.vllm import VLLMBackend
+            from trace_plugin.gateway.vllm_server import VLLMServer, VLLMSettings
+            from trace_plugin.model_files import resolve_model
+
+            model = resolve_model(None)
+            settings = VLLMSettings(dtype=self.precision)
+            with console.status(f"starting vLLM (log: {home / 'vllm.log'})…"):
+                self.engine = VLLMServer(
+                    model, served_name=model.name, log_path=home / "vllm.log", settings=settings
+                ).start()
+            self.backend: Any = VLLMBackend(self.engine.url, model=model)
+        else:
+            from trace_plugin.gateway.embedded import EmbeddedBackend
+
+            with console.status("loading SmolLM2-135M…"):
+                self.backend = EmbeddedBackend(max_batch=16, precision=self.precision)
         config = GatewayConfig(adapter_root=self.adapter_root, agent=AGENT, record=False)
         self.server = start_in_thread(create_app(self.backend, config=config))
         self.base_url = f"{self.server.url}/v1"
-        # What "auto" resolved to: experts train in the precision the model is served in.
-        self.precision: Precision = str(self.backend.dtype).removeprefix("torch.")  # type: ignore[assignment]
-        console.print(f"gateway at {self.base_url}, model {self.backend.model_id} in {self.precision}")
+        console.print(
+            f"gateway at {self.base_url}, model {self.backend.model_id} in {self.precision} ({engine})"
+        )
 
     def agent(self, model: str, *, evaluation: bool) -> LangGraphAgent:
         support, base_url = self.support, self.base_url
@@ -210,11 +236,18 @@ class SupportStack:
 
     def stop(self) -> None:
         self.server.stop()
+        if self.engine is not None:
+            self.engine.stop()
         self.recorder.flush(30)
 
 
 def main(
-    preset_name: str = "quick", *, home: Path | None = None, out: Path | None = None, fresh: bool = False
+    preset_name: str = "quick",
+    *,
+    home: Path | None = None,
+    out: Path | None = None,
+    fresh: bool = False,
+    engine: Engine = "embedded",
 ) -> dict[str, Any]:
     """Run the demo, or resume the one ``home`` holds (each stage is kept there as it ends:
     a killed run picks up where it stopped, a finished one prints its report again);
@@ -230,7 +263,8 @@ def main(
     if kept is not None and kept["preset"] != asdict(preset):
         raise DemoError(f"{home} holds a demo run with other settings ({kept['preset']}): pass --fresh")
     # A resumed run serves in the precision it started in, whatever this machine's "auto" is.
-    stack = SupportStack(home, console, fresh=kept is None, precision=kept["precision"] if kept else "auto")
+    precision = kept["precision"] if kept else "auto"
+    stack = SupportStack(home, console, fresh=kept is None, precision=precision, engine=engine)
     store, backend = stack.store, stack.backend
     stages = StageResults(home / "stages")
     stages.get("settings", lambda: {"preset": asdict(preset), "precision": stack.precision})

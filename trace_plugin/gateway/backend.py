@@ -15,6 +15,8 @@ from typing import Literal, Protocol
 
 from trace_plugin.errors import TracePluginError
 
+Engine = Literal["embedded", "vllm"]  # what runs the model: in this process, or a local vLLM server
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
