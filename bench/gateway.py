@@ -147,7 +147,7 @@ def first_response_after_load(url: str, name: str, path: str) -> float:
 
 
 def routing_overhead(app, url: str, requests: int) -> float:
-    app.state.routing_seconds = 0.0
+    app.state.gateway.routing_seconds = 0.0
     total = 0.0
     with httpx.Client(base_url=url, timeout=120) as client:
         for i in range(requests):
@@ -158,7 +158,7 @@ def routing_overhead(app, url: str, requests: int) -> float:
                 json={"model": "support", "messages": [{"role": "user", "content": text}], "max_tokens": 4},
             )
             total += time.perf_counter() - start
-    return app.state.routing_seconds / total
+    return app.state.gateway.routing_seconds / total
 
 
 def mixture_cost(url: str, single: str, mixture: str, rounds: int, max_tokens: int) -> float:
@@ -185,14 +185,14 @@ def classifier_routing(app, backend: EmbeddedBackend, url: str, requests: int, m
     experts = [ExpertEntry(adapter=a, name=n) for a, n in zip(("refunds", "returns"), specs, strict=True)]
     spec = ClassifierSpec(experts=experts, retrieval=Retrieval(corpus=corpus)).to_dict()
     httpx.post(f"{url}/v1/router", json=spec, timeout=120).raise_for_status()
-    app.state.routing_seconds, total = 0.0, 0.0
+    app.state.gateway.routing_seconds, total = 0.0, 0.0
     with httpx.Client(base_url=url, timeout=300) as client:
         for seed in TEST_SEEDS[:requests]:
             body = {"model": "support", "messages": RetailEnv().opening(seed), "tools": TOOLS}
             start = time.perf_counter()
             client.post("/v1/chat/completions", json={**body, "max_tokens": max_tokens}).raise_for_status()
             total += time.perf_counter() - start
-    return app.state.routing_seconds / total
+    return app.state.gateway.routing_seconds / total
 
 
 def swap_under_load(url: str, name: str, path: str, clients: int, per_client: int) -> tuple[int, int]:
