@@ -162,3 +162,25 @@ def _settled(probe: Any, expected: int) -> Any:
     while len(value := probe()) != expected and time.monotonic() < deadline:
         time.sleep(0.05)
     return value
+
+
+async def test_a_mixture_past_the_servers_lora_rank_is_a_clear_error_before_anything_is_composed(tmp_path):
+    from test_composition import Recording
+
+    from trace_plugin.gateway.adapters import AdapterError, AdapterRegistry
+    from trace_plugin.records.mixture import Mixture
+
+    for name in ("a", "b", "c"):
+        _lora(tmp_path / name, 2, {"m.q": PAIR})
+    backend = Recording()
+    backend.max_lora_rank = 4  # vLLM's --max-lora-rank: two rank-2 adapters fill it
+    registry = AdapterRegistry(backend, tmp_path)
+    for name in ("a", "b", "c"):
+        await registry.load(f"{name}@1", name)
+    served, _ = await registry.acquire_mixture(Mixture.of({"a": 0.5, "b": 0.5}))
+    registry.release(served)
+    with pytest.raises(
+        AdapterError, match=r"rank 6, .* over the 4 this server takes \(vLLM's --max-lora-rank\)"
+    ):
+        await registry.acquire_mixture(Mixture.of({"a": 0.4, "b": 0.3, "c": 0.3}))
+    assert len(list((tmp_path / MIXTURES_DIR).iterdir())) == 1  # nothing composed for it

@@ -8,6 +8,7 @@ One server serves the whole test run (the ``real_vllm`` fixture, about 90 s to s
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -36,6 +37,8 @@ def fronted(real_vllm, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     for version, seed in ((1, 11), (2, 12)):
         random_adapter(real_vllm.model_dir, root / "alpha" / str(version), seed=seed)
+    random_adapter(real_vllm.model_dir, root / "beta", seed=13, rank=16)
+    random_adapter(real_vllm.model_dir, root / "wide", seed=14, rank=48)
     backend = VLLMBackend(real_vllm.url, model=real_vllm.model_dir)
     with start_in_thread(
         create_app(backend, config=GatewayConfig(adapter_root=root, record=False))
@@ -81,6 +84,69 @@ def test_runtime_lora_loads_changes_the_reply_and_hot_swaps_under_load_without_a
     assert failures == [] and all(s.model == "alpha@2" for s in served if s.after_swap)
     listed = {m["id"] for m in httpx.get(f"{real_vllm.url}/v1/models").json()["data"]}
     assert "alpha@2" in listed and "alpha@1" not in listed  # the old version unloaded from vLLM once drained
+
+
+def test_a_mixture_is_served_as_one_composed_adapter_within_the_lora_rank_and_refused_past_it(
+    fronted, real_vllm
+):
+    for name, path in (("beta@1", "beta"), ("wide@1", "wide")):
+        body = {"lora_name": name, "lora_path": path}
+        assert httpx.post(f"{fronted.url}/v1/load_lora_adapter", json=body, timeout=120).status_code == 200
+    mixed = chat(fronted.url, "alpha:0.5,beta:0.5", PROMPTS[1], max_tokens=24)  # rank 8 + 16
+    assert mixed.status_code == 200, mixed.text
+    composed = [
+        m["id"] for m in httpx.get(f"{real_vllm.url}/v1/models").json()["data"] if m["id"].startswith("mix-")
+    ]
+    assert len(composed) == 1  # one adapter in vLLM for the mixture
+    assert mixed.json()["choices"][0]["token_ids"] != tokens(fronted.url, "beta", PROMPTS[1])
+    past = chat(fronted.url, "beta:0.5,wide:0.5", PROMPTS[1])  # 16 + 48 = 64 fits; with alpha, 72 does not
+    assert past.status_code == 200, past.text
+    refused = chat(fronted.url, "alpha:0.2,beta:0.4,wide:0.4", PROMPTS[1])
+    assert refused.status_code == 400 and "--max-lora-rank" in refused.json()["error"]["message"]
+
+
+def test_a_json_schema_response_format_holds_vllms_decoding_to_the_schema(fronted):
+    schema = {
+        "type": "object",
+        "properties": {"fruit": {"type": "string"}, "count": {"type": "integer"}},
+        "required": ["fruit", "count"],
+    }
+    body = {
+        "model": "base",
+        "messages": [{"role": "user", "content": "Name a fruit and how many you want."}],
+        "max_tokens": 48,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": schema}},
+    }
+    reply = httpx.post(f"{fronted.url}/v1/chat/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    answer = json.loads(reply.json()["choices"][0]["message"]["content"])
+    assert isinstance(answer["fruit"], str) and isinstance(answer["count"], int)
+
+
+def test_a_client_hanging_up_mid_stream_aborts_the_request_in_vllm(fronted, real_vllm):
+    """2,000 tokens would take minutes on this CPU: vLLM stops at once, or the test sees it running."""
+    body = {
+        "model": "base",
+        "stream": True,
+        "max_tokens": 2000,
+        "messages": [{"role": "user", "content": "Write a very long story about a lighthouse."}],
+    }
+    with httpx.stream("POST", f"{fronted.url}/v1/chat/completions", json=body, timeout=120) as response:
+        lines = response.iter_lines()
+        assert all(next(lines) is not None for _ in range(4))  # streaming: chunks arrive before the end
+    deadline = time.monotonic() + 30
+    while running(real_vllm.url) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert running(real_vllm.url) == 0
+
+
+def running(url: str) -> float:
+    """Requests vLLM is generating now, from its Prometheus metrics."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("vLLM's metrics have no vllm:num_requests_running")
 
 
 def test_serving_on_vllm_without_its_environment_is_one_clear_error(tmp_path):

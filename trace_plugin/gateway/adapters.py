@@ -118,6 +118,11 @@ def check_adapter_name(full: str, reserved: frozenset[str] = frozenset()) -> Non
         )
 
 
+def _rank(path: Path) -> int:
+    """A loaded adapter's rank, as its config states it (checked when it was loaded)."""
+    return int(json.loads((path / "adapter_config.json").read_text())["r"])
+
+
 @dataclass(slots=True)
 class _Version:
     path: Path
@@ -212,6 +217,13 @@ class AdapterRegistry:
         from trace_plugin.gateway.composition import compose_adapter
 
         parts = [(self._versions[name].path, weight) for name, weight in mixture.parts()]
+        rank = sum(_rank(path) for path, _ in parts)  # the composition's: its parts' ranks side by side
+        if rank > self.backend.max_lora_rank:
+            raise AdapterError(
+                f"the mixture {mixture.label()} has rank {rank}, the sum of its adapters' ranks, over the "
+                f"{self.backend.max_lora_rank} this server takes (vLLM's --max-lora-rank): mix fewer or "
+                "smaller adapters"
+            )
         # Composed afresh on every load: a name@version unloaded and loaded again may be other files.
         path = await asyncio.to_thread(compose_adapter, parts, self.root / MIXTURES_DIR / served)
         try:
