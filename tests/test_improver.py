@@ -353,7 +353,11 @@ def test_an_expert_no_gradient_reached_is_not_evaluated(sqlite_url, monkeypatch)
     monkeypatch.setattr(improver, "_route", routed)
     assert improver.run_once() is None
     [cycle] = [j for j in store.jobs("a") if j.stage == "cycle"]
-    assert cycle.outputs == {"deployed": None, "reason": "no gradient reached the adapters of ['fmt']"}
+    assert cycle.outputs == {
+        "deployed": None,
+        "reason": "no gradient reached the adapters of ['fmt']",
+        "trained": {"fmt": noop.to_dict()},
+    }
     assert (
         Trained.from_dict(noop.to_dict()) == noop
         and not Trained.from_dict({**noop.to_dict(), "noop": False}).noop

@@ -577,13 +577,10 @@ def synthesize_command(
 
 def _local_gateway(stack: Any, model: str | None) -> str:
     """The embedded model behind a gateway on a background thread, for the length of ``stack``."""
-    from trace_plugin.gateway.app import GatewayConfig, create_app
-    from trace_plugin.gateway.embedded import EmbeddedBackend
-    from trace_plugin.gateway.server import start_in_thread
+    from trace_plugin.gateway import GatewayConfig, serve_embedded
 
     with console.status("loading the base model…"):
-        backend = EmbeddedBackend(model)
-    server = stack.enter_context(start_in_thread(create_app(backend, config=GatewayConfig(record=False))))
+        server = stack.enter_context(serve_embedded(model, config=GatewayConfig(record=False)))
     return f"{server.url}/v1"
 
 

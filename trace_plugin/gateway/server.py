@@ -1,5 +1,6 @@
 """Running the gateway: in the foreground for ``trace-plugin serve``, or on a background
-thread for the demo, tests and benchmarks."""
+thread for a script that runs its agent beside it (:func:`serve_embedded`), the demo,
+tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
 
 from trace_plugin.errors import TracePluginError
+from trace_plugin.gateway.app import GatewayConfig, create_app
+from trace_plugin.model_files import Precision
+from trace_plugin.recorder import Recorder
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -61,3 +66,26 @@ def start_in_thread(
             raise ServerStartError(f"gateway did not start on {host}:{port}")
         time.sleep(0.02)
     return RunningServer(server, thread, host, port)
+
+
+def serve_embedded(
+    model: str | Path | None = None,
+    *,
+    config: GatewayConfig | None = None,
+    recorder: Recorder | None = None,
+    precision: Precision = "auto",
+    max_batch: int = 8,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+) -> RunningServer:
+    """The gateway in front of the embedded model, on a background thread of this process:
+    what ``trace-plugin serve`` runs, for a script that also runs its agent and improver.
+
+    ``model`` is a local Hugging Face directory or ``.gguf`` (default: the embedded
+    SmolLM2-135M), loaded before this returns; ``port`` a free one when None. Stop it with
+    ``stop()`` or by leaving its ``with`` block, which also ends the model's engine thread.
+    """
+    from trace_plugin.gateway.embedded import EmbeddedBackend  # torch: only for what serves the model here
+
+    backend = EmbeddedBackend(model, max_batch=max_batch, precision=precision)
+    return start_in_thread(create_app(backend, config=config, recorder=recorder), host, port)

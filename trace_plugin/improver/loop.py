@@ -69,7 +69,13 @@ class Improver:
     # -- the loop --------------------------------------------------------------------------
 
     def run_once(self, *, wait: float = 0.0) -> Deployment | None:
-        """One cycle (resuming an unfinished one); None when the cycle deploys nothing new.
+        """One cycle (:meth:`run_cycle`): the deployment it made, None when it deployed nothing new."""
+        end = self.run_cycle(wait=wait)
+        return next((d for d in self.store.deployments(self.config.agent) if d.id == end.deployed), None)
+
+    def run_cycle(self, *, wait: float = 0.0) -> CycleEnd:
+        """One cycle (resuming an unfinished one), and what it came to: the deployment it made
+        or why none, and either way the experts it trained and the router it composed.
 
         Waits up to ``wait`` seconds for another improver of this agent (or the lease of a
         killed one) to let go; LeaseHeld after that.
@@ -117,14 +123,13 @@ class Improver:
         self.store.save_job(Job(self.config.agent, cycle, "cycle", "all"))
         return cycle
 
-    async def _cycle(self, cycle: str) -> Deployment | None:
+    async def _cycle(self, cycle: str) -> CycleEnd:
         agent = self.config.agent
         mined: Mined = await self._job(cycle, "mine", "all", lambda: stages.mine(self))
-        experts: dict[str, str] = {}
-        noops: list[str] = []
+        trained: dict[str, Trained] = {}
         untrained: dict[str, str] = {}  # capability -> why its environment cannot train it
         for capability in mined.train:
-            if len(experts) + len(noops) == self.config.max_experts:
+            if len(trained) == self.config.max_experts:
                 break
             env: Synthesized = await self._job(
                 cycle, "synthesize", capability, lambda c=capability: self._synthesize(c)
@@ -135,23 +140,20 @@ class Improver:
                 )
                 self.console.log(f"[yellow]{capability}: {untrained[capability]}; not trained[/]")
                 continue
-            trained: Trained = await self._job(
+            trained[capability] = await self._job(
                 cycle, "train", capability, lambda c=capability, e=env: stages.train(self, cycle, c, e)
             )
-            if trained.noop:  # the base model again: evaluating it would change nothing
-                noops.append(capability)
-                continue
-            experts[capability] = trained.expert
+        # A no-op expert is the base model again: evaluating it would change nothing.
+        experts = {capability: t.expert for capability, t in trained.items() if not t.noop}
         if not experts:
             reason = (
-                f"no gradient reached the adapters of {noops}"
-                if noops
+                f"no gradient reached the adapters of {list(trained)}"
+                if trained
                 else f"no environment to train in: {untrained}"
                 if untrained
                 else "nothing to train"
             )
-            self._finish(cycle, CycleEnd(deployed=None, reason=reason))
-            return None
+            return self._finish(cycle, CycleEnd(deployed=None, reason=reason, trained=trained))
         routing: Routing = await self._job(cycle, "route", "all", lambda: self._route(experts))
         scores: Evaluation = await self._job(
             cycle, "evaluate", "all", lambda: evaluation.evaluate(self, cycle, experts, routing)
@@ -176,13 +178,19 @@ class Improver:
         else:
             self.store.save_deployment(deployment)
             self.console.log(f"[yellow]deployment {cycle} rejected: {'; '.join(verdict.reasons)}[/]")
-        self._finish(cycle, CycleEnd(deployed=cycle if verdict.accept else None))
-        return deployment if verdict.accept else None
+        end = CycleEnd(
+            deployed=cycle if verdict.accept else None,
+            reason=None if verdict.accept else "; ".join(verdict.reasons),
+            trained=trained,
+            router=routing.router,
+        )
+        return self._finish(cycle, end)
 
-    def _finish(self, cycle: str, end: CycleEnd) -> None:
+    def _finish(self, cycle: str, end: CycleEnd) -> CycleEnd:
         job = self.store.job(job_id(cycle, "cycle", "all")) or Job(self.config.agent, cycle, "cycle", "all")
         job.status, job.outputs, job.ended_at = "done", end.to_dict(), utcnow()
         self.store.save_job(job)
+        return end
 
     async def _job(
         self, cycle: str, stage: str, key: str, work: Callable[[], OutputT | Awaitable[OutputT]]

@@ -76,12 +76,16 @@ class Synthesized(Output):
 
 @dataclass(frozen=True)
 class Trained(Output):
+    """An expert the cycle trained: ``GatewayAdmin.ensure_adapter(adapter_name, adapter)``
+    loads it into a gateway whatever the cycle then made of it."""
+
     stage: ClassVar[str] = "train"
     expert: str  # the expert's id
     adapter: str  # its adapter directory
     reward_curve: list[float]
     unhinted_curve: list[float | None] = field(default_factory=list)  # absent from older jobs
     noop: bool = False  # no gradient reached its adapter: it is the base model
+    adapter_name: str = ""  # the name it is served under; absent from older jobs
 
 
 @dataclass(frozen=True)
@@ -174,11 +178,26 @@ class Deployed(Output):
 
 @dataclass(frozen=True)
 class CycleEnd(Output):
-    """What a cycle came to: the deployment it made live, or None and why."""
+    """What a cycle came to: the deployment it made, or None and why; and either way the
+    experts it trained (no-ops included) and the candidate router it composed of them, so
+    that a candidate the gate rejected, or an expert no candidate was composed of, can be
+    tried by hand."""
 
     stage: ClassVar[str] = "cycle"
     deployed: str | None
     reason: str | None = field(default=None, metadata=OMIT_NONE)
+    trained: dict[str, Trained] = field(default_factory=dict)  # capability -> its expert
+    router: RouterSpec | None = field(default=None, metadata=OMIT_NONE)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CycleEnd:
+        router = data.get("router")
+        return cls(
+            data["deployed"],
+            data.get("reason"),
+            {c: Trained.from_dict(t) for c, t in data.get("trained", {}).items()},
+            parse_router_spec(router) if router is not None else None,
+        )
 
 
 # What a done job of each stage holds, for a resumed cycle to read back.

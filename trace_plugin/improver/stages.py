@@ -161,7 +161,14 @@ def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> 
     noop = is_noop(result.adapter_dir)
     if noop:
         improver.console.log(f"[yellow]{capability}: no gradient reached its adapter (the base model)[/]")
-    return Trained(expert_id, str(output), list(result.reward_curve), list(result.unhinted_curve), noop)
+    return Trained(
+        expert_id,
+        str(output),
+        list(result.reward_curve),
+        list(result.unhinted_curve),
+        noop,
+        expert.adapter_name,
+    )
 
 
 def evaluated_task_keys(config: ImproverConfig, spec: EnvSpec, store: Store) -> set[str]:

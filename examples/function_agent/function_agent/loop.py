@@ -28,9 +28,7 @@ from function_agent.agent import AGENT, build_function_agent
 from function_agent.suite import TEST_SEEDS, FunctionsEnv
 from trace_plugin.environments import ToolCall
 from trace_plugin.environments.runner import EpisodeResult, LangGraphAgent, Runner, summarize
-from trace_plugin.gateway.app import GatewayConfig, create_app
-from trace_plugin.gateway.embedded import EmbeddedBackend
-from trace_plugin.gateway.server import start_in_thread
+from trace_plugin.gateway import GatewayAdmin, GatewayConfig, serve_embedded
 from trace_plugin.improver import Improver, ImproverConfig, paired_gain
 from trace_plugin.store import Store
 
@@ -64,9 +62,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     store.upgrade()
     recorder = trace_plugin.configure(db)
     adapters = args.home / "adapters"
-    backend = EmbeddedBackend(max_batch=16)
-    server = start_in_thread(
-        create_app(backend, config=GatewayConfig(adapter_root=adapters, agent=AGENT, record=False))
+    server = serve_embedded(
+        config=GatewayConfig(adapter_root=adapters, agent=AGENT, record=False), max_batch=16
     )
     base_url = f"{server.url}/v1"
 
@@ -127,12 +124,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         recorder.flush(30)
         console.print(summarize(traffic, "Captured traffic"))
         console.rule("[bold]improve")
-        improver.run_once()
+        end = improver.run_cycle()
         decision = store.deployments(AGENT)[-1] if store.deployments(AGENT) else None
-        # The improved agent: its one expert by name (served whatever the gate decided), else
-        # what is live.
-        adapters = list(decision.adapters.values()) if decision else []
-        improved_model = adapters[0] if len(adapters) == 1 else "default"
+        # The improved agent: its one expert by name, whatever the gate decided (loaded here
+        # too, for a cycle that composed no candidate of it), else what is live.
+        trained = list(end.trained.values())
+        improved_model = "default"
+        if len(trained) == 1:
+            asyncio.run(GatewayAdmin(server.url).ensure_adapter(trained[0].adapter_name, trained[0].adapter))
+            improved_model = trained[0].adapter_name
         console.rule("[bold]held-out questions")
         base = asyncio.run(evaluate("base", test))
         improved = asyncio.run(evaluate(improved_model, test))
