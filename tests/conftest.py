@@ -113,8 +113,6 @@ def real_vllm(tmp_path_factory):
         pytest.skip(f"REAL-vLLM TESTS NOT RUN: {exc}")
     model = resolve_model(None)
     log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    server = VLLMServer(
-        model, served_name=model.name, log_path=log_path, settings=VLLMSettings(dtype="float32")
-    )
-    with server:
+    settings = VLLMSettings(dtype="float32", kv_cache_gib=1)  # short requests: 1 GiB of KV cache holds them
+    with VLLMServer(model, served_name=model.name, log_path=log_path, settings=settings) as server:
         yield server

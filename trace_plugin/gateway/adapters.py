@@ -34,7 +34,7 @@ from trace_plugin.gateway.backend import Backend, BackendError, SamplingParams
 from trace_plugin.records.mixture import Mixture
 
 MIXTURES_DIR = ".mixtures"  # under the adapter root: composed adapters, rebuilt on demand
-MAX_MIXTURE_BYTES = 512 * 2**20  # composed adapters on disk, loaded or draining
+MAX_MIXTURE_BYTES = 512 * 2**20  # composed adapters kept loaded, by their bytes on disk
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a tool name's characters: no NUL, path or ':'
 
 log = logging.getLogger("trace_plugin.gateway")
