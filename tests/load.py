@@ -50,3 +50,27 @@ def swap_under_load(
     for t in threads:
         t.join()
     return served, failures
+
+
+def http_swap_under_load(
+    url: str, name: str, version: str, path: str, **load: int
+) -> tuple[list[Served], list[Exception]]:
+    """:func:`swap_under_load` over HTTP against a gateway at ``url``: OpenAI clients ask for
+    ``name`` while the admin API loads ``name@version`` from ``path``."""
+    import httpx
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+
+    def call() -> str:
+        messages = [{"role": "user", "content": "Hi"}]
+        return client.chat.completions.create(
+            model=name, messages=messages, max_tokens=2, temperature=0
+        ).model
+
+    def swap() -> None:
+        body = {"lora_name": f"{name}@{version}", "lora_path": path}
+        response = httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+
+    return swap_under_load(call, swap, **load)

@@ -7,8 +7,7 @@ import httpx
 import pytest
 from chat import chat as served
 from fastapi import FastAPI, Request
-from load import swap_under_load
-from openai import OpenAI
+from load import http_swap_under_load
 
 from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.backend import BackendError
@@ -96,20 +95,7 @@ def test_runtime_lora_through_the_vllm_contract_and_hot_swap(stack):
         == chat(inner.url, "alpha@1", "Tell me a fact.")["choices"][0]["token_ids"]
     )
 
-    client = OpenAI(base_url=outer.url + "/v1", api_key="x", max_retries=0)
-
-    def call() -> str:
-        messages = [{"role": "user", "content": "Hi"}]
-        return client.chat.completions.create(
-            model="alpha", messages=messages, max_tokens=2, temperature=0
-        ).model
-
-    def swap() -> None:
-        body = {"lora_name": "alpha@2", "lora_path": "alpha/2"}
-        r = httpx.post(f"{outer.url}/v1/load_lora_adapter", json=body, timeout=60)
-        assert r.status_code == 200, r.text
-
-    served, failures = swap_under_load(call, swap, before=8)
+    served, failures = http_swap_under_load(outer.url, "alpha", "2", "alpha/2", before=8)
     assert failures == [] and all(s.model == "alpha@2" for s in served if s.after_swap)
     loaded = {m["id"] for m in httpx.get(f"{inner.url}/v1/models").json()["data"]}
     assert "alpha@1" not in loaded, "the old version was unloaded from vLLM once drained"

@@ -16,8 +16,7 @@ import time
 import httpx
 import pytest
 from chat import chat
-from load import swap_under_load
-from openai import OpenAI
+from load import http_swap_under_load
 from typer.testing import CliRunner
 
 from trace_plugin.cli import app as cli
@@ -68,19 +67,9 @@ def test_runtime_lora_loads_changes_the_reply_and_hot_swaps_under_load_without_a
     assert loaded.status_code == 200, loaded.text
     assert "alpha@1" in {m["id"] for m in httpx.get(f"{real_vllm.url}/v1/models").json()["data"]}
     assert tokens(fronted.url, "alpha", PROMPTS[0]) != base  # vLLM serves the adapter
-    client = OpenAI(base_url=fronted.url + "/v1", api_key="x", max_retries=0)
-
-    def call() -> str:
-        messages = [{"role": "user", "content": "Hi"}]
-        return client.chat.completions.create(
-            model="alpha", messages=messages, max_tokens=2, temperature=0
-        ).model
-
-    def swap() -> None:
-        body = {"lora_name": "alpha@2", "lora_path": "alpha/2"}
-        assert httpx.post(f"{fronted.url}/v1/load_lora_adapter", json=body, timeout=120).status_code == 200
-
-    served, failures = swap_under_load(call, swap, clients=4, before=8, after=8)
+    served, failures = http_swap_under_load(
+        fronted.url, "alpha", "2", "alpha/2", clients=4, before=8, after=8
+    )
     assert failures == [] and all(s.model == "alpha@2" for s in served if s.after_swap)
     listed = {m["id"] for m in httpx.get(f"{real_vllm.url}/v1/models").json()["data"]}
     assert "alpha@2" in listed and "alpha@1" not in listed  # the old version unloaded from vLLM once drained
