@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trace_plugin.payload import Lazy, Shaped, clip_text, encode, make_redactor, redact_pii, shape
+from trace_plugin.payload import Lazy, Shaped, clip_text, encode, encode_now, make_redactor, redact_pii, shape
 
 
 @dataclass
@@ -121,6 +121,8 @@ def test_shaped_values_convert_foreign_types_the_same_on_every_path():
         and redacted["messages"][0]["content"] == "[EMAIL]"
     )
     assert fast["other"] == redacted["other"] == {"x": 1, "y": 2.0}  # refused by default: the walk's form
+    # Messages alone the default turns into JSON: orjson takes them on the agent's thread.
+    assert encode_now(Shaped({"messages": state["messages"], "n": 1}, default)) is not None
     loop: list = [Message("x")]
     loop.append(loop)  # orjson must not take the cycle; the walk marks it and still converts the rest
     walked = json.loads(encode(Shaped(loop, default)))

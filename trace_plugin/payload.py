@@ -253,7 +253,8 @@ def fits_whole(
     orjson expands a shared object at every reference and cuts only after the whole dump,
     so this look comes first; it visits each object once and gives up early.
     """
-    seen: dict[int, Any] = {}  # id -> object, held so that a default's temporaries keep their ids
+    seen: dict[int, Any] = {}  # id -> object, held so that its id stays its own
+    kept: list[Any] = []
     size = 0
     stack = [value]
     while stack:
@@ -285,7 +286,7 @@ def fits_whole(
             except Exception:  # orjson would fail on it too
                 return False
             seen[id(v)] = v
-            seen[id(shaped)] = shaped
+            kept.append(shaped)  # a temporary must keep its id while the look goes on
             stack.append(shaped)
         else:  # a dataclass, an Enum, a foreign object: the walk knows what to do with it
             return False
