@@ -110,13 +110,12 @@ class ModelCall:
 
 @dataclass(slots=True)
 class _Conversation:
-    """A tracked episode, and whether a reply still waits on the agent (``open``)."""
+    """A tracked episode; it is open while it is in ``ConversationEpisodes._open``."""
 
     tracer: Tracer
     active: ActiveEpisode
     last_call: float  # time.monotonic() of its latest call
     model: str
-    open: bool = True
     reply: dict[str, Any] | None = None
 
 
@@ -148,11 +147,10 @@ class ConversationEpisodes:
             if call.reply is not None:
                 self._remember(self._by_digest, prefix_digests([*call.messages, call.reply])[-1], active.id)
             conversation.reply, conversation.model = call.reply, call.model
-            conversation.open = call.end is None and (
-                call.reply is None or bool(call.reply.get("tool_calls"))
-            )
-            if conversation.open:
-                self._remember(self._open, active.id, conversation)
+            is_open = call.end is None and (call.reply is None or bool(call.reply.get("tool_calls")))
+            if is_open:  # never past max_tracked: it holds only conversations _by_id tracks
+                self._open[active.id] = conversation
+                self._open.move_to_end(active.id)
             else:
                 self._open.pop(active.id, None)
         tracer.record_step(
@@ -177,7 +175,7 @@ class ConversationEpisodes:
         )
         if call.end is not None:
             _end(conversation, call.end, call.error)
-        elif not conversation.open:
+        elif not is_open:
             _end(conversation, "completed")
         return active.id
 
@@ -254,7 +252,6 @@ class ConversationEpisodes:
 
 
 def _end(conversation: _Conversation, status: EpisodeStatus, error: str | None = None) -> None:
-    conversation.open = False
     tracer, active = conversation.tracer, conversation.active
     end = EpisodeEnd(active.id, status, output=conversation.reply, error=error, model=conversation.model)
     tracer.recorder.submit(end, tracer.policy)
