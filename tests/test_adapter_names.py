@@ -1,5 +1,6 @@
-"""Adapters cannot shadow what a request means by a reserved name, and mixtures the router
-did not choose are the admin's to ask for, cached within a count and a size on disk.
+"""Adapters cannot shadow what a request means by a reserved name, one name@version is one
+set of files, and mixtures the router did not choose are the admin's to ask for, cached
+within a count and a size on disk.
 
 A scripted backend stands in for the model: it keeps which adapter served each request
 and what was loaded and unloaded, which is the point here, not what it generates.
@@ -103,6 +104,48 @@ def test_a_name_outside_the_tool_name_characters_is_refused(tokenizer, tmp_path,
         refused = load(client, name)
         assert refused.status_code == 400 and "invalid adapter name" in refused.json()["error"]["message"]
         assert backend.loaded == set()
+
+
+def test_a_name_is_never_served_from_other_files_than_the_first_time(tokenizer, tmp_path):
+    """vLLM's prefix cache keys blocks by adapter name: one name on other weights would serve
+    blocks cached under the old ones."""
+    client, backend = gateway(tokenizer, tmp_path)
+    with client:
+        assert load(client, "alpha@1", "alpha").status_code == 200
+        assert load(client, "alpha@2", "beta").status_code == 200  # alpha@1 retires once drained
+        _settled(lambda: [n for n in backend.loaded if n == "alpha@1"], 0)
+        _lora(tmp_path / "other", 2, {"m.q": (PAIR[0], 3 * PAIR[1])})
+        again = load(client, "alpha@1", "other")  # the same name, other files
+        assert again.status_code == 409 and "new version" in again.json()["error"]["message"]
+        _lora(tmp_path / "copy", 2, {"m.q": PAIR})  # alpha's very bytes, elsewhere: the same adapter
+        assert load(client, "alpha@1", "copy").status_code == 200
+        assert load(client, "alpha@3", "beta").status_code == 200
+        _settled(lambda: [n for n in backend.loaded if n == "alpha@1"], 0)
+        # alpha@1's files change on disk: rolling back to it is refused, alpha@3 stays live.
+        _lora(tmp_path / "changed", 2, {"m.q": (PAIR[0], 2 * PAIR[1])})
+        (tmp_path / "changed" / "adapter_model.safetensors").replace(tmp_path / "copy" / "adapter_model.safetensors")
+        refused = client.post("/v1/rollback_lora_adapter", json={"lora_name": "alpha"}, headers=TOKEN)
+        assert refused.status_code == 409 and "changed since" in refused.json()["error"]["message"]
+        backend.served.clear()
+        assert chat(client, "alpha").status_code == 200 and backend.served == ["alpha@3"]
+
+
+def test_a_half_written_adapter_is_refused_before_the_backend_reads_it(tokenizer, tmp_path):
+    client, backend = gateway(tokenizer, tmp_path)
+    weights = tmp_path / "alpha" / "adapter_model.safetensors"
+    with client:
+        assert load(client, "alpha@1", "alpha").status_code == 200
+        _lora(tmp_path / "half", 2, {"m.q": PAIR})
+        half = tmp_path / "half" / "adapter_model.safetensors"
+        half.write_bytes(weights.read_bytes()[:-5])
+        refused = load(client, "alpha@2", "half")
+        assert refused.status_code == 400 and "incomplete" in refused.json()["error"]["message"]
+        half.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json")
+        refused = load(client, "alpha@2", "half")
+        assert refused.status_code == 400 and "not a safetensors file" in refused.json()["error"]["message"]
+        assert backend.loaded == {"alpha@1"}
+        backend.served.clear()
+        assert chat(client, "alpha").status_code == 200 and backend.served == ["alpha@1"]
 
 
 def test_reserved_names_mean_what_they_say_whatever_is_loaded(tokenizer, tmp_path):

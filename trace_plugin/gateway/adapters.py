@@ -10,6 +10,12 @@ An adapter's name is a tool name (letters, digits, ``_`` and ``-``, at most 64) 
 most one ``@version`` of the same; names a request means something else by (``base``,
 ``default``, the base model's id, the served agent and its aliases) are reserved.
 
+One ``name@version`` is one set of files for the life of the gateway: loading it again
+from other files, or rolling back to it after its files changed, is refused (409). vLLM's
+prefix cache keys blocks by adapter name (vllm#42125), so a name reloaded from other
+files would serve blocks cached under the old weights; a new version is a new name.
+Mixtures are named by their parts' versions and weights, so they inherit the rule.
+
 A mixture of several adapters is served as one composed adapter
 (:mod:`trace_plugin.gateway.composition`), written under the adapter root and loaded on
 first use under its deterministic name. The registry keeps the few most recent, within a
@@ -20,6 +26,7 @@ then is its folder deleted.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
@@ -27,12 +34,13 @@ import shutil
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from trace_plugin.errors import TracePluginError
 from trace_plugin.gateway.backend import Backend, BackendError, SamplingParams
 from trace_plugin.records.mixture import Mixture
 
+WEIGHTS = "adapter_model.safetensors"
 MIXTURES_DIR = ".mixtures"  # under the adapter root: composed adapters, rebuilt on demand
 MAX_MIXTURE_BYTES = 512 * 2**20  # composed adapters kept loaded, by their bytes on disk
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a tool name's characters: no NUL, path or ':'
@@ -90,8 +98,10 @@ def _validate_adapter_dir(path: str | Path, root: Path, *, base_model: set[str],
         raise AdapterError(f"{path}/adapter_config.json is not valid JSON") from exc
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         raise AdapterError(f"{path} is not a LoRA adapter (peft_type={config.get('peft_type')!r})")
-    if not any((resolved / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+    if not any((resolved / f).is_file() for f in (WEIGHTS, "adapter_model.bin")):
         raise AdapterError(f"{path} has no adapter weights")
+    if (resolved / WEIGHTS).is_file():
+        _check_complete(resolved / WEIGHTS, path)
     base = str(config.get("base_model_name_or_path") or "")
     if base and base not in base_model and Path(base).name not in base_model:
         raise AdapterError(f"adapter {path} was trained on {base!r}, not on {sorted(base_model)[0]!r}")
@@ -99,6 +109,46 @@ def _validate_adapter_dir(path: str | Path, root: Path, *, base_model: set[str],
     if not isinstance(rank, int) or not 0 < rank <= max_rank:
         raise AdapterError(f"adapter rank {rank!r} is outside 1..{max_rank}")
     return resolved
+
+
+def _check_complete(weights: Path, path: str | Path) -> None:
+    """Refuse a safetensors file shorter than its header says: an adapter still being written
+    (or cut off) would otherwise fail inside the server with a less helpful message."""
+    try:
+        with weights.open("rb") as f:
+            size, header = safetensors_header(f)
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        raise AdapterError(f"{path}/{WEIGHTS} is not a safetensors file ({exc})") from exc
+    have, want = weights.stat().st_size, 8 + size + end
+    if have < want:
+        raise AdapterError(
+            f"{path}/{WEIGHTS} is incomplete ({have} of {want} bytes): still being written, or cut off"
+        )
+
+
+def safetensors_header(f: BinaryIO) -> tuple[int, dict[str, Any]]:
+    """A safetensors file's header, read from its start, and the header's length in bytes."""
+    size = int.from_bytes(f.read(8), "little")
+    if size > 100_000_000:
+        raise ValueError(f"a {size}-byte header is not a safetensors header")
+    header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+        raise ValueError("a safetensors header is a JSON object")
+    return size, header
+
+
+def adapter_digest(path: Path) -> str:
+    """A digest of what a backend reads from an adapter directory: its config and weights."""
+    digest = hashlib.sha256()
+    for name in ("adapter_config.json", WEIGHTS, "adapter_model.bin"):
+        file = path / name
+        if file.is_file():
+            digest.update(name.encode() + b"\0")
+            with file.open("rb") as f:
+                while chunk := f.read(2**20):
+                    digest.update(chunk)
+    return digest.hexdigest()
 
 
 def check_adapter_name(full: str, reserved: frozenset[str] = frozenset()) -> None:
@@ -155,6 +205,7 @@ class AdapterRegistry:
         self.history: dict[str, list[str]] = {}  # name -> earlier live versions, newest last
         self._versions: dict[str, _Version] = {}  # every loaded "name@version"
         self._paths: dict[str, Path] = {}  # every version ever loaded, for rollback
+        self._digests: dict[str, str] = {}  # every version ever loaded -> its files' digest
         self._mixtures: OrderedDict[str, _Version] = OrderedDict()  # composed, least recent first
         self._draining: dict[str, _Version] = {}  # composed, evicted, still serving requests
         self._background: set[asyncio.Task] = set()  # unloads waiting to drain (the loop holds tasks weakly)
@@ -277,8 +328,15 @@ class AdapterRegistry:
         async with self._lock:
             if full in self._versions:
                 raise AdapterError(f"adapter {full!r} is already loaded")
+            digest = await asyncio.to_thread(adapter_digest, resolved)
+            if self._digests.get(full, digest) != digest:
+                raise AdapterError(
+                    f"adapter {full!r} was served from other files before: vLLM's prefix cache keys "
+                    "blocks by adapter name, so load these files as a new version",
+                    409,
+                )
             self._versions[full] = await self._load_verified(full, resolved)
-            self._paths[full] = resolved
+            self._paths[full], self._digests[full] = resolved, digest
             return await self._make_live(name, full)
 
     async def unload(self, model: str) -> list[str]:
@@ -305,7 +363,15 @@ class AdapterRegistry:
             previous = history.pop()
             current = self.live.get(name)
             if previous not in self._versions:
-                self._versions[previous] = await self._load_verified(previous, self._paths[previous])
+                path = self._paths[previous]
+                if await asyncio.to_thread(adapter_digest, path) != self._digests[previous]:
+                    history.append(previous)
+                    raise AdapterError(
+                        f"cannot roll back to {previous!r}: its files at {path} changed since it was "
+                        "served; load them as a new version",
+                        409,
+                    )
+                self._versions[previous] = await self._load_verified(previous, path)
             self.live[name] = previous
             if current is not None:
                 await self._retire(current)

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from trace_plugin.gateway.adapters import AdapterError
+from trace_plugin.gateway.adapters import WEIGHTS, AdapterError, safetensors_header
 
-WEIGHTS, CONFIG = "adapter_model.safetensors", "adapter_config.json"
+CONFIG = "adapter_config.json"
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 _LAYER = re.compile(r"\.layers\.(\d+)\.")  # a decoder layer's index in a module's name
@@ -125,10 +125,10 @@ def _lora(path: Path) -> tuple[dict[str, Any], float, dict[str, tuple[np.ndarray
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """Every tensor in a safetensors file, as numpy arrays (bf16 widened to float32)."""
     with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if size > 100_000_000:
-            raise ValueError(f"{path.name}: a {size}-byte header is not a safetensors header")
-        header = json.loads(f.read(size))
+        try:
+            _, header = safetensors_header(f)
+        except ValueError as exc:
+            raise ValueError(f"{path.name}: {exc}") from exc
         data = f.read()
     tensors = {}
     for name, info in header.items():
