@@ -123,7 +123,8 @@ def test_a_name_is_never_served_from_other_files_than_the_first_time(tokenizer, 
         _settled(lambda: [n for n in backend.loaded if n == "alpha@1"], 0)
         # alpha@1's files change on disk: rolling back to it is refused, alpha@3 stays live.
         _lora(tmp_path / "changed", 2, {"m.q": (PAIR[0], 2 * PAIR[1])})
-        (tmp_path / "changed" / "adapter_model.safetensors").replace(tmp_path / "copy" / "adapter_model.safetensors")
+        weights = "adapter_model.safetensors"
+        (tmp_path / "changed" / weights).replace(tmp_path / "copy" / weights)
         refused = client.post("/v1/rollback_lora_adapter", json={"lora_name": "alpha"}, headers=TOKEN)
         assert refused.status_code == 409 and "changed since" in refused.json()["error"]["message"]
         backend.served.clear()
