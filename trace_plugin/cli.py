@@ -218,11 +218,12 @@ def serve(
     if _engine(engine) == "vllm" and vllm_url:
         raise typer.BadParameter("--engine vllm starts its own vLLM: drop --vllm-url", param_hint="--engine")
     engine_server = _start_vllm(model) if engine == "vllm" else None
-    if vllm_url or engine_server is not None:
+    if engine_server is not None:
+        backend: Any = engine_server.backend()
+    elif vllm_url:
         from trace_plugin.gateway.vllm import VLLMBackend
 
-        url = vllm_url or engine_server.url  # type: ignore[union-attr]
-        backend: Any = VLLMBackend(url, model=model)
+        backend = VLLMBackend(vllm_url, model=model)
     else:
         from trace_plugin.gateway.embedded import EmbeddedBackend
 
@@ -260,15 +261,15 @@ def _engine(value: str) -> Engine:
 
 
 def _start_vllm(model: str | None) -> Any:
-    """A local vLLM server for ``model``, healthy; its log under the data directory."""
-    from trace_plugin.gateway.vllm_server import VLLMServer, VLLMStartError
+    """Local vLLM servers for ``model`` (generation and embeddings), healthy; logs under the
+    data directory."""
+    from trace_plugin.gateway.vllm_server import LocalVLLM, VLLMStartError
     from trace_plugin.model_files import resolve_model
 
-    model_dir = resolve_model(model)
-    log_path = data_dir() / "logs" / "vllm.log"
-    with console.status(f"starting vLLM (about 90 s on 2 cores; log: {log_path})…"):
+    log_dir = data_dir() / "logs"
+    with console.status(f"starting vLLM (about 2 minutes on 2 cores; logs: {log_dir}/vllm*.log)…"):
         try:
-            return VLLMServer(model_dir, served_name=model_dir.name, log_path=log_path).start()
+            return LocalVLLM(resolve_model(model), log_dir=log_dir).start()
         except VLLMStartError as exc:
             raise typer.BadParameter(str(exc), param_hint="--engine") from None
 

@@ -157,17 +157,14 @@ class SupportStack:
         self.precision: Precision = str(torch_dtype(precision)).removeprefix("torch.")  # type: ignore[assignment]
         self.engine = None
         if engine == "vllm":
-            from trace_plugin.gateway.vllm import VLLMBackend
-            from trace_plugin.gateway.vllm_server import VLLMServer, VLLMSettings
+            from trace_plugin.gateway.vllm_server import LocalVLLM, VLLMSettings
             from trace_plugin.model_files import resolve_model
 
-            model = resolve_model(None)
-            settings = VLLMSettings(dtype=self.precision)
-            with console.status(f"starting vLLM (log: {home / 'vllm.log'})…"):
-                self.engine = VLLMServer(
-                    model, served_name=model.name, log_path=home / "vllm.log", settings=settings
+            with console.status(f"starting vLLM (logs: {home}/vllm*.log)…"):
+                self.engine = LocalVLLM(
+                    resolve_model(None), log_dir=home, settings=VLLMSettings(dtype=self.precision)
                 ).start()
-            self.backend: Any = VLLMBackend(self.engine.url, model=model)
+            self.backend: Any = self.engine.backend()
         else:
             from trace_plugin.gateway.embedded import EmbeddedBackend
 

@@ -1,4 +1,4 @@
-"""A local vLLM server, started from its own environment and supervised.
+"""Local vLLM servers, started from their own environment and supervised.
 
 vLLM pins what ours cannot share (``mcp>=2``, ``transformers<5.20``), so it runs as a
 process of its own from ``.venv-vllm`` (``scripts/setup.sh`` builds it), which is how
@@ -17,13 +17,16 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Literal
 
 import httpx
 
 from trace_plugin.errors import TracePluginError
 from trace_plugin.gateway.server import free_port
+from trace_plugin.gateway.vllm import VLLMBackend
 
 PYTHON_ENV = "TRACE_PLUGIN_VLLM_PYTHON"
 ENVIRONMENT = ".venv-vllm"  # where scripts/setup.sh builds vLLM's environment
@@ -44,8 +47,12 @@ class VLLMSettings:
     and so on: four rank-16 experts fill 64). ``kv_cache_gib`` is vLLM's CPU KV cache
     (without it, vLLM takes half the RAM). ``threads`` are the cores its OpenMP threads
     bind to (None: all of them; vLLM's own default reserves one, and differs by version).
+    ``runner="pooling"`` serves the base model's embeddings instead (``--runner pooling
+    --convert embed``, no LoRA), for the routers that read them: vLLM serves either
+    generation or pooling from one process, so a second one does this.
     """
 
+    runner: Literal["generate", "pooling"] = "generate"
     dtype: str = "bfloat16"
     max_loras: int = 4
     max_cpu_loras: int = 16
@@ -56,7 +63,7 @@ class VLLMSettings:
     start_timeout: float = 600.0
 
     def arguments(self, model_dir: Path, served_name: str, port: int) -> list[str]:
-        return [
+        common = [
             "-m",
             "vllm.entrypoints.openai.api_server",  # its `vllm` script looks up a distribution named vllm
             "--model",
@@ -69,6 +76,13 @@ class VLLMSettings:
             str(port),
             "--dtype",
             self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
+        ]
+        if self.runner == "pooling":
+            return [*common, "--runner", "pooling", "--convert", "embed"]
+        return [
+            *common,
             "--enable-lora",
             "--max-loras",
             str(self.max_loras),
@@ -76,8 +90,6 @@ class VLLMSettings:
             str(self.max_cpu_loras),
             "--max-lora-rank",
             str(self.max_lora_rank),
-            "--max-model-len",
-            str(self.max_model_len),
         ]
 
     def environment(self) -> dict[str, str]:
@@ -216,3 +228,60 @@ class VLLMServer:
         except OSError:
             return ""
         return f"; its log ({self.log_path}) ends:\n" + "\n".join(text)
+
+
+class LocalVLLM:
+    """vLLM as ``--engine vllm`` runs it: a generating server with runtime LoRA, and a
+    pooling one serving the base model's embeddings to the routers that read them (one
+    vLLM process serves either, not both), started side by side and stopped together.
+
+    Both bind their threads to every core; routing embeds one request's text before its
+    generation starts, so the two seldom compute at once.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        log_dir: Path,
+        settings: VLLMSettings | None = None,
+        python: str | Path | None = None,
+    ) -> None:
+        settings = settings or VLLMSettings()
+        pooling = replace(settings, runner="pooling", kv_cache_gib=1)  # one pass per text: little cache
+        self.model_dir = model_dir
+        self.server, self.pooling = (
+            VLLMServer(model_dir, served_name=model_dir.name, log_path=log_dir / f, settings=s, python=python)
+            for f, s in (("vllm.log", settings), ("vllm-pooling.log", pooling))
+        )
+
+    def start(self) -> LocalVLLM:
+        """Start both at once and return when both answer; if either fails, stop the other."""
+        with ThreadPoolExecutor(2) as pool:
+            failures = [e for e in pool.map(_start_failure, (self.server, self.pooling)) if e is not None]
+        if failures:
+            self.stop()
+            raise failures[0]
+        return self
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.pooling.stop()
+
+    def backend(self, **options: Any) -> VLLMBackend:
+        """The gateway's backend on these servers: generation on one, embeddings on the other."""
+        return VLLMBackend(self.server.url, model=self.model_dir, embed_url=self.pooling.url, **options)
+
+    def __enter__(self) -> LocalVLLM:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _start_failure(server: VLLMServer) -> VLLMStartError | None:
+    try:
+        server.start()
+    except VLLMStartError as exc:
+        return exc
+    return None
