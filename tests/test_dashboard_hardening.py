@@ -53,9 +53,11 @@ BAD_VALUES = [
     "/episodes?agent=%00",  # PostgreSQL text cannot hold a NUL: it raised
     "/episodes?source=a%00b",
     "/episodes?adapter=%00",
+    "/episodes?router=%00",
     "/success?agent=%00",
     "/capabilities?agent=%00",
     "/capabilities?agent=alpha&run=%00",
+    "/improver?agent=%00",
     "/episodes?since=0001-01-01T00:00%2B01:00",  # in UTC before year 1
     "/success?until=9999-12-31T23:59-01:00",  # in UTC after year 9999
 ]
@@ -104,7 +106,7 @@ def test_head_answers_as_get_does_without_the_body(sqlite_url: str) -> None:
     app = create_dashboard(corpus.store)
     client = TestClient(app)
     paths = ["/", "/episodes?agent=alpha", f"/episodes/{corpus.ids['a3']}", "/episodes/missing",
-             "/success?bucket=day", "/capabilities", "/episodes?page=0"]  # fmt: skip
+             "/success?bucket=day", "/capabilities", "/improver", "/episodes?page=0"]  # fmt: skip
     for path in paths:
         got = client.get(path, follow_redirects=False)
         head = client.head(path, follow_redirects=False)
@@ -127,7 +129,8 @@ def test_head_answers_as_get_does_without_the_body(sqlite_url: str) -> None:
 # -- generated query strings -------------------------------------------------------------------
 
 # {real} is a stored episode's id, {any} a generated one.
-ROUTES = ["/", "/episodes", "/success", "/capabilities", "/episodes/{real}", "/episodes/{any}", "/nowhere"]
+ROUTES = ["/", "/episodes", "/success", "/capabilities", "/improver", "/episodes/{real}", "/episodes/{any}",
+          "/nowhere"]  # fmt: skip
 EDGES = ["", " ", "\x00", "alpha\x00", "0", "-1", "1e3", "nan", str(MAX_PAGE), str(MAX_PAGE + 1),
          "99999999999999999999999", "0001-01-01T00:00+01:00", "9999-12-31T23:59-01:00"]  # fmt: skip
 offsets = st.timedeltas(min_value=-timedelta(hours=23, minutes=59), max_value=timedelta(hours=23, minutes=59))
@@ -145,6 +148,7 @@ VALID: dict[str, st.SearchStrategy[str]] = {
     "status": st.sampled_from(q.STATUSES),
     "source": st.sampled_from(["langgraph", "gateway", "api"]),
     "adapter": st.sampled_from(["billing@1", "billing@2"]),
+    "router": st.sampled_from(["r-000000000000"]),
     "since": times,
     "until": times,
     "page": st.integers(1, 3).map(str),

@@ -1,4 +1,5 @@
-"""The read-only web dashboard: episodes, success over time, mined capabilities.
+"""The read-only web dashboard: episodes, success over time, mined capabilities, and the
+improver's cycles, experts and deployments.
 
 ``create_dashboard(store)`` returns a FastAPI app rendering Jinja2 templates on the server,
 with no script at all: filters are plain GET forms and the plot is inline SVG. Everything
@@ -31,6 +32,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.base import RequestResponseEndpoint
 
+from trace_plugin.dashboard import improver as imp
 from trace_plugin.dashboard import queries as q
 from trace_plugin.dashboard.conversation import conversation, pretty
 from trace_plugin.dashboard.plot import build_plot
@@ -170,6 +172,7 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
         status: str | None = None,
         source: str | None = None,
         adapter: str | None = None,
+        router: str | None = None,
         since: str | None = None,
         until: str | None = None,
         page: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 1,
@@ -180,6 +183,7 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
             status=_choice(status, q.STATUSES, "status"),
             source=_text(source, "source"),
             adapter=_text(adapter, "adapter"),
+            router=_text(router, "router"),
             since=_time(since, "since"),
             until=_time(until, "until"),
         )
@@ -191,6 +195,7 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
             "status": where.status,
             "source": where.source,
             "adapter": where.adapter,
+            "router": where.router,
             "since": _blank(since),
             "until": _blank(until),
         }
@@ -271,6 +276,25 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
             run=chosen_run,
             capabilities=found,
             stages=q.stage_tables(engine, chosen),
+        )
+
+    @app.api_route("/improver", methods=READ_METHODS)
+    def improver(agent: str | None = None) -> HTMLResponse:
+        """The improver's work for one agent (the first it worked on by default): its cycles,
+        the experts they trained and the deployments they made."""
+        agents = q.improver_agents(engine)
+        chosen = _text(agent, "agent") or (agents[0] if agents else None)
+        deployments = imp.deployments(store, engine, chosen) if chosen else []
+        return render(
+            "improver.html",
+            nav="improver",
+            agents=agents,
+            agent=chosen,
+            cycles=imp.cycles(store, engine, chosen) if chosen else [],
+            experts=imp.expert_curves(store, chosen) if chosen else [],
+            deployments=deployments,
+            statuses={v.deployment.id: v.deployment.status for v in deployments},
+            max_cycles=imp.MAX_CYCLES,
         )
 
     return app

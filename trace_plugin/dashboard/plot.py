@@ -1,4 +1,5 @@
-"""Success-over-time geometry for an inline SVG, computed here so the page needs no script.
+"""Line plots for an inline SVG, computed here so the page needs no script: success over
+time per agent, and an expert's reward per training step.
 
 The template draws what this returns; every label it carries is escaped there like any
 other captured text.
@@ -6,16 +7,17 @@ other captured text.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from trace_plugin.dashboard.queries import BUCKET_STEPS, Bucket, BucketStat, Marker
 
 WIDTH, HEIGHT = 960, 320
+CURVE_WIDTH, CURVE_HEIGHT = 560, 220  # one expert's training curves, several to a page
 LEFT, RIGHT, TOP, BOTTOM = 56, 56, 16, 40  # room for centred time labels at both ends
 MAX_X_TICKS = 8
-# Colour-blind-safe palette (Okabe-Ito), cycled per agent.
+# Colour-blind-safe palette (Okabe-Ito), cycled per series.
 COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000")
 
 
@@ -28,7 +30,7 @@ class Point:
 
 @dataclass(slots=True)
 class Series:
-    agent: str
+    name: str  # the agent, or the curve
     color: str
     points: list[Point] = field(default_factory=list)
 
@@ -100,3 +102,33 @@ def build_plot(stats: Sequence[BucketStat], bucket: Bucket, markers: Sequence[Ma
         if first <= m.at <= last
     ]
     return Plot(WIDTH, HEIGHT, LEFT, RIGHT, TOP, BOTTOM, list(series.values()), x_ticks, y_ticks, placed)
+
+
+def build_curve_plot(curves: Mapping[str, Sequence[float | None]]) -> Plot | None:
+    """One line per curve of a value per training step (step 1 first); a step a curve has
+    no value for (None) is left out of that line. The y axis spans 0 to 1, wider only where
+    a value falls outside. None when no curve has a value."""
+    values = [v for curve in curves.values() for v in curve if v is not None]
+    if not values:
+        return None
+    steps = max(len(curve) for curve in curves.values())
+    low, high = min(0.0, *values), max(1.0, *values)
+    inner_w, inner_h = CURVE_WIDTH - LEFT - RIGHT, CURVE_HEIGHT - TOP - BOTTOM
+
+    def x_of(step: int) -> float:
+        return LEFT + inner_w * ((step - 1) / (steps - 1) if steps > 1 else 0.5)
+
+    def y_of(value: float) -> float:
+        return TOP + inner_h * (high - value) / (high - low)
+
+    series = []
+    for i, (name, curve) in enumerate(curves.items()):
+        line = Series(name, COLORS[i % len(COLORS)])
+        for step, value in enumerate(curve, 1):
+            if value is not None:
+                line.points.append(Point(x_of(step), y_of(value), f"{name} · step {step} · {value:.3f}"))
+        series.append(line)
+    every = -(-steps // MAX_X_TICKS)
+    x_ticks = [Tick(x_of(step), str(step)) for step in range(1, steps + 1, every)]
+    y_ticks = [Tick(y_of(low + (high - low) * r / 4), f"{low + (high - low) * r / 4:.2f}") for r in range(5)]
+    return Plot(CURVE_WIDTH, CURVE_HEIGHT, LEFT, RIGHT, TOP, BOTTOM, series, x_ticks, y_ticks, [])

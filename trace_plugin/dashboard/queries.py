@@ -60,6 +60,7 @@ class EpisodeFilter:
     status: str | None = None
     source: str | None = None
     adapter: str | None = None
+    router: str | None = None  # a router version (``router_version``): what one deployment served
     since: datetime | None = None
     until: datetime | None = None
 
@@ -70,6 +71,7 @@ class EpisodeFilter:
             (_e.status, self.status),
             (_e.source, self.source),
             (_e.adapter, self.adapter),
+            (_e.router, self.router),
         ):
             if value is not None:
                 where.append(column == value)
@@ -95,6 +97,7 @@ class EpisodeRow:
     error: str | None
     model: str | None
     adapter: str | None
+    router: str | None
     started_at: datetime
     ended_at: datetime | None
 
@@ -110,6 +113,7 @@ class Facets:
     agents: list[str]
     sources: list[str]
     adapters: list[str]
+    routers: list[str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +157,7 @@ _LIST_COLUMNS = [
     _e.error,
     _e.model,
     _e.adapter,
+    _e.router,
     _e.started_at,
     _e.ended_at,
 ]
@@ -183,7 +188,9 @@ def facets(engine: Engine) -> Facets:
             query = select(column).distinct().where(column.is_not(None)).order_by(column)
             return list(conn.execute(query).scalars())
 
-        return Facets(distinct(t.agents.c.name), distinct(_e.source), distinct(_e.adapter))
+        return Facets(
+            distinct(t.agents.c.name), distinct(_e.source), distinct(_e.adapter), distinct(_e.router)
+        )
 
 
 _SQLITE_TRUNCATE: dict[Bucket, str] = {
@@ -328,3 +335,22 @@ def mining_runs(engine: Engine, agent: str) -> list[MiningRun]:
     query = select(c.mining_run, mined).where(c.agent == agent).group_by(c.mining_run).order_by(mined.desc())
     with engine.connect() as conn:
         return [MiningRun(run, aware(_as_datetime(at))) for run, at in conn.execute(query)]
+
+
+def improver_agents(engine: Engine) -> list[str]:
+    """The agents an improver has worked on: those with a job or a deployment."""
+    j, d = t.jobs.c, t.deployments.c
+    query = select(j.agent).union(select(d.agent))
+    with engine.connect() as conn:
+        return sorted(conn.execute(query).scalars())
+
+
+def episodes_per_router(engine: Engine, agent: str, since: datetime | None = None) -> dict[str, int]:
+    """How many of the agent's episodes each router version chose the adapters of (since
+    ``since``): what each deployment served."""
+    where = [_e.agent == agent, _e.router.is_not(None)]
+    if since is not None:
+        where.append(_e.started_at >= since)
+    query = select(_e.router, func.count()).where(*where).group_by(_e.router)
+    with engine.connect() as conn:
+        return {router: int(n) for router, n in conn.execute(query)}

@@ -1,0 +1,319 @@
+"""The Improver page's view of the store: each cycle from its jobs, each expert's training
+curves, each deployment with what it served.
+
+The job ledger holds what each stage handed the next (``trace_plugin.improver.outputs``) as
+plain dicts. The dashboard sits beside the improver in the layers and may not import it, so
+it reads those dicts as stored; a key an older job lacks shows as missing, never as a
+broken page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from urllib.parse import urlencode
+
+from sqlalchemy import Engine
+
+from trace_plugin.dashboard import queries as q
+from trace_plugin.dashboard.plot import Plot, build_curve_plot
+from trace_plugin.records.deployment import Deployment
+from trace_plugin.records.env_spec import SpecRecord
+from trace_plugin.records.expert import Expert
+from trace_plugin.records.job import Job
+from trace_plugin.records.router_spec import RouterSpecError, parse_router_spec, router_version
+from trace_plugin.store import Store
+
+MAX_CYCLES = 50  # the newest shown; the job table keeps them all
+PROMOTED = "promoted: "  # how the monitor's reason for a canary it promoted reads
+ENDED = ("superseded", "rolled_back")  # took traffic, and no longer does
+MS = timedelta(milliseconds=1)  # a datetime-local field holds milliseconds at most
+
+
+@dataclass(frozen=True, slots=True)
+class MinedCapability:
+    """A capability the cycle's mining selected, with its evidence from that mining pass."""
+
+    name: str
+    coverage: float | None
+    contrast: float | None
+    covered: bool  # the live deployment has an expert for it: not trained again
+
+
+@dataclass(frozen=True, slots=True)
+class Environment:
+    """The environment synthesized for one capability, and its calibration on the base model."""
+
+    capability: str
+    name: str
+    version: int
+    status: str  # validated, out_of_band, rejected, or unsynthesizable
+    reason: str
+    band: tuple[float, float] | None  # the learnable mean reward, when calibrated
+    mean_reward: float | None  # the last calibration attempt's
+    verdict: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class TrainedExpert:
+    capability: str
+    expert: str
+    adapter_name: str
+    noop: bool  # no gradient reached it: the base model again, not evaluated
+    steps: int
+    rollouts: int | None  # the budget it trained with
+    reference_plays: int | None  # at most this many verified plays warm-started it
+
+
+@dataclass(frozen=True, slots=True)
+class Composed:
+    """The candidate router the cycle composed of the live experts and its own."""
+
+    kind: str
+    adapters: list[str]
+    version: str
+    gate: str | None  # for a learned gate: which choice won how many practice tasks
+
+
+@dataclass(frozen=True, slots=True)
+class FailedJob:
+    stage: str
+    key: str
+    attempts: int
+    error: str
+
+
+@dataclass(slots=True)
+class Cycle:
+    id: str
+    status: str
+    started_at: datetime
+    ended_at: datetime | None
+    mined: list[MinedCapability] | None = None  # None until the mine stage is done
+    environments: list[Environment] = field(default_factory=list)
+    trained: list[TrainedExpert] = field(default_factory=list)
+    composed: Composed | None = None
+    accept: bool | None = None  # the verdict's; None before it (or when the cycle ended sooner)
+    reasons: list[str] = field(default_factory=list)
+    deployed: str | None = None
+    ended_because: str | None = None  # why the cycle deployed nothing
+    failed: list[FailedJob] = field(default_factory=list)
+    running: str | None = None  # the stage a running job is in
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertCurves:
+    expert: Expert
+    plot: Plot | None
+    rollouts: int | None
+    reference_plays: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One side of the target's held-out tasks: how many were played, the share solved."""
+
+    n: int
+    success: float
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentView:
+    deployment: Deployment
+    version: str  # the router version stamped on every episode it served
+    promoted: bool  # went out as a canary and was promoted
+    served: int | None  # the agent's episodes its router served while it was out; None: never out
+    episodes: str | None  # the episode list of those
+    share: tuple[int, int] | None  # a canary's: its episodes and all routed ones since it went out
+    before: Target | None  # the live deployment on the target when this was evaluated
+    after: Target | None  # this one there
+    scores: dict[str, dict[str, float]]  # capability -> base, current, candidate on held-out seeds
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) else None
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) else None
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _strings(value: Any) -> list[str]:
+    return [str(v) for v in value] if isinstance(value, list) else []
+
+
+def _training(expert: Expert | None) -> tuple[int | None, int | None]:
+    """Its rollout budget and warm-start plays, from the training config it recorded."""
+    config = expert.config if expert is not None else {}
+    return _int(config.get("rollout_budget")), _int(config.get("warm_start_plays"))
+
+
+def _composed(router: dict[str, Any], gate: dict[str, Any]) -> Composed:
+    try:
+        adapters = [a for a in parse_router_spec(router).adapters() if a is not None]
+    except RouterSpecError:  # a format this dashboard predates: its kind and version still show
+        adapters = []
+    labels = ", ".join(f"{k} {v}" for k, v in _dict(gate.get("labels")).items())
+    fit = f"fitted on {gate.get('tasks')} practice tasks: {labels}" if gate else None
+    return Composed(str(router.get("kind", "?")), adapters, router_version(router), fit)
+
+
+def _environment(
+    specs: Mapping[tuple[str, int], SpecRecord], capability: str, outputs: dict[str, Any]
+) -> Environment:
+    name, version = str(outputs.get("env", "")), _int(outputs.get("version")) or 0
+    record = specs.get((name, version))
+    calibration = _dict(record.report.get("calibration")) if record is not None else {}
+    band = _dict(calibration.get("band"))
+    attempts = calibration.get("attempts") or [{}]
+    low, high = _float(band.get("low")), _float(band.get("high"))
+    return Environment(
+        capability,
+        name,
+        version,
+        str(outputs.get("status", "?")),
+        str(outputs.get("reason", "")),
+        (low, high) if low is not None and high is not None else None,
+        _float(_dict(attempts[-1]).get("mean_reward")),
+        str(calibration["verdict"]) if calibration.get("verdict") else None,
+    )
+
+
+def cycles(store: Store, engine: Engine, agent: str) -> list[Cycle]:
+    """The agent's improver cycles, newest first: one per ``cycle`` job, filled in from the
+    jobs of its stages and the records they name."""
+    jobs: dict[str, list[Job]] = {}
+    for job in store.jobs(agent):
+        jobs.setdefault(job.cycle, []).append(job)
+    heads = [j for js in jobs.values() for j in js if j.stage == "cycle"]
+    heads.sort(key=lambda j: (j.started_at, j.cycle), reverse=True)
+    runs = q.mining_runs(engine, agent)
+    experts = {e.id: e for e in store.experts(agent)}
+    specs = {(r.spec.name, r.version): r for r in store.env_specs(agent)}  # each parsed once
+    found = []
+    for head in heads[:MAX_CYCLES]:
+        cycle = Cycle(head.cycle, head.status, head.started_at, head.ended_at)
+        for job in jobs[head.cycle]:
+            if job.status == "failed":
+                cycle.failed.append(FailedJob(job.stage, job.key, job.attempts, job.error or ""))
+            elif job.status == "running" and job.stage != "cycle":
+                cycle.running = job.stage if job.key == "all" else f"{job.stage} {job.key}"
+            if job.status != "done" or job.outputs is None:
+                continue
+            out = job.outputs
+            if job.stage == "mine":
+                cycle.mined = _mined(store, agent, job, runs, out)
+            elif job.stage == "synthesize":
+                cycle.environments.append(_environment(specs, job.key, out))
+            elif job.stage == "train":
+                rollouts, plays = _training(experts.get(str(out.get("expert"))))
+                cycle.trained.append(
+                    TrainedExpert(
+                        job.key,
+                        str(out.get("expert", "")),
+                        str(out.get("adapter_name", "")),
+                        bool(out.get("noop")),
+                        len(out.get("reward_curve") or []),
+                        rollouts,
+                        plays,
+                    )
+                )
+            elif job.stage == "route":
+                cycle.composed = _composed(_dict(out.get("router")), _dict(out.get("gate")))
+            elif job.stage == "verdict":
+                cycle.accept, cycle.reasons = bool(out.get("accept")), _strings(out.get("reasons"))
+            elif job.stage == "cycle":
+                cycle.deployed = out.get("deployed")
+                cycle.ended_because = out.get("reason")
+        found.append(cycle)
+    return found
+
+
+def _mined(
+    store: Store, agent: str, job: Job, runs: list[q.MiningRun], out: dict[str, Any]
+) -> list[MinedCapability]:
+    """The selected capabilities, with coverage and contrast from the mining pass that ran
+    inside the job (the job names none): a pass whose last row was written while it ran."""
+    end = job.ended_at or job.started_at
+    run = next((r.id for r in runs if job.started_at <= r.mined_at <= end), None)
+    metrics = {c.name: c.metrics for c in store.capabilities(agent, run)} if run else {}
+    covered = set(_strings(out.get("covered")))
+    return [
+        MinedCapability(
+            name,
+            _float(metrics.get(name, {}).get("coverage")),
+            _float(metrics.get(name, {}).get("contrast")),
+            name in covered,
+        )
+        for name in _strings(out.get("selected"))
+    ]
+
+
+def expert_curves(store: Store, agent: str) -> list[ExpertCurves]:
+    """Every expert of the agent, newest first, with its reward and un-hinted reward per step."""
+    found = []
+    for expert in reversed(store.experts(agent)):
+        curves = {"reward": list(expert.reward_curve), "un-hinted reward": list(expert.unhinted_curve)}
+        found.append(ExpertCurves(expert, build_curve_plot(curves), *_training(expert)))
+    return found
+
+
+def _target(evaluation: Mapping[str, Any], side: str) -> Target | None:
+    summary = _dict(_dict(evaluation.get("target")).get(side))
+    n, success = _int(summary.get("n")), _float(summary.get("success"))
+    return Target(n, success) if n is not None and success is not None else None
+
+
+def _ms(at: datetime) -> datetime:
+    return at.replace(microsecond=at.microsecond // 1000 * 1000)
+
+
+def _local(at: datetime) -> str:
+    """An instant as a datetime-local field takes it, in UTC (as the episode list reads it)."""
+    return at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
+
+
+def deployments(store: Store, engine: Engine, agent: str) -> list[DeploymentView]:
+    """The agent's deployments, newest first, each with the episodes its router served.
+
+    Routers are named by their adapters' capabilities, so two deployments of the same
+    capabilities share a router version: the episodes one served are those of its version
+    from when it was recorded until it ended (when it was last updated)."""
+    found = []
+    for d in reversed(store.deployments(agent)):
+        version = router_version(d.router)
+        served, episodes, share = None, None, None
+        if d.status != "rejected":
+            # To the millisecond a field holds; the end is exclusive, so the next one.
+            since, until = _ms(d.created_at), _ms(d.updated_at) + MS if d.status in ENDED else None
+            where = q.EpisodeFilter(agent=agent, router=version, since=since, until=until)
+            served = q.count_episodes(engine, where)
+            window = {"since": _local(since), **({"until": _local(until)} if until else {})}
+            episodes = "/episodes?" + urlencode({"agent": agent, "router": version, **window})
+        if d.status == "canary":
+            since = q.episodes_per_router(engine, agent, since=d.updated_at)
+            share = (since.get(version, 0), sum(since.values()))
+        scores = {
+            str(c): {k: v for k, v in _dict(s).items() if isinstance(v, int | float)}
+            for c, s in _dict(d.evaluation.get("capabilities")).items()
+        }
+        found.append(
+            DeploymentView(
+                d,
+                version,
+                any(PROMOTED in reason for reason in d.reasons),
+                served,
+                episodes,
+                share,
+                _target(d.evaluation, "current"),
+                _target(d.evaluation, "candidate"),
+                scores,
+            )
+        )
+    return found
