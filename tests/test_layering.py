@@ -35,6 +35,7 @@ LAYERS: list[set[str]] = [  # lowest first
     {"trace_plugin"},  # the package's public face: capture, Recorder, Store, the records
     {"trace_plugin.mining"},
     {"trace_plugin.environments", "trace_plugin.gateway"},
+    {"trace_plugin.export"},  # fine-tuning datasets: episodes, and environments' reference plays
     {"training"},
     {"trace_plugin.improver", "trace_plugin.dashboard", "mcp_server", "integrations"},
     {"trace_plugin.demo"},

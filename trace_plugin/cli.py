@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Iterator
+from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import typer
 from rich.console import Console
@@ -515,6 +517,52 @@ def envs_validate(
     console.print("[green]valid[/]")
 
 
+@envs_app.command("export-plays")
+def envs_export_plays(
+    name: str,
+    seeds: Annotated[
+        str, typer.Option(help="A:B, the seeds A to B-1 (an expert's warm start draws from 0:2000).")
+    ],
+    out: Annotated[Path, typer.Option(help="The JSON lines file to write.")],
+    format: Annotated[
+        Literal["trl", "openai"], typer.Option("--format", help="trl (SFTTrainer's rows) or openai.")
+    ] = "trl",
+    preset: Annotated[
+        str,
+        typer.Option(help="The training preset whose turn and tool-result limits apply: cpu-small or gpu."),
+    ] = "cpu-small",
+    db: DbOption = None,
+) -> None:
+    """Write an environment's verified reference solutions as the warm start trains on them,
+    behind the agent's own few-shot examples, to inspect or to train with elsewhere."""
+    from trace_plugin.environments.synthesis import CapturedInterface
+    from trace_plugin.export import reference_plays, write_jsonl
+    from training.config import ExpertTrainingConfig
+
+    first, _, stop = seeds.partition(":")
+    if not (first.isdigit() and stop.isdigit() and int(first) < int(stop)):
+        raise typer.BadParameter(f"{seeds!r} is not A:B with A < B", param_hint="--seeds")
+    try:
+        config = ExpertTrainingConfig.preset(preset)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--preset") from None
+    store = _store(db)
+    factory = _environment(name, db)
+    record = store.env_spec(name)
+    examples = CapturedInterface.from_store(store, record.agent).examples if record else []
+    plays = reference_plays(
+        factory,
+        range(int(first), int(stop)),
+        format=format,
+        max_turns=config.max_turns,
+        max_observation_chars=config.max_observation_chars,
+        examples=examples,
+    )
+    count = _written(plays, f"playing {name}", lambda rows: write_jsonl(rows, out))
+    console.print(f"[green]wrote {count} reference play(s) of {plays.read} seed(s) to {out}[/]")
+    _left_out(plays.left_out, "seed(s)")
+
+
 @app.command("synthesize")
 def synthesize_command(
     capability: str,
@@ -610,6 +658,94 @@ def export_otel(
         console.print(f"[red]{exc}[/]")
         raise typer.Exit(1) from None
     console.print(f"[green]exported {count} episode(s)[/]")
+
+
+@export_app.command("dataset")
+def export_dataset(
+    agent: Annotated[str, typer.Option(help="The agent whose episodes to export.")],
+    out: Annotated[Path, typer.Option(help="The JSON lines file to write (a directory for --format hf).")],
+    format: Annotated[
+        Literal["openai", "trl", "tokens", "hf"],
+        typer.Option(
+            "--format",
+            help="openai (its chat fine-tuning lines), trl (SFTTrainer's conversational rows), tokens"
+            " (one row of ids per gateway call, for off-policy RL) or hf (the trl rows, save_to_disk).",
+        ),
+    ] = "trl",
+    outcome: Annotated[
+        Literal["success", "failure", "any"], typer.Option(help="Only these outcomes.")
+    ] = "any",
+    since: Annotated[datetime | None, typer.Option(help="Episodes started at or after this (UTC).")] = None,
+    until: Annotated[datetime | None, typer.Option(help="Episodes started before this (UTC).")] = None,
+    min_reward: Annotated[float | None, typer.Option(help="Only episodes with at least this reward.")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Only the newest N episodes.")] = None,
+    source: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Only episodes this source recorded (repeatable): langgraph, gateway, mcp-proxy,"
+            " mcp-env, runner, environment, litellm or api."
+        ),
+    ] = None,
+    redact: Annotated[
+        bool,
+        typer.Option(
+            "--redact",
+            help="Mask e-mails, phone and card numbers in messages and tool arguments, as capture's"
+            " redact=True does (what a capture redacted is not stored: this is not 'as at capture').",
+        ),
+    ] = False,
+    db: DbOption = None,
+) -> None:
+    """Write an agent's finished episodes as a fine-tuning dataset, a page at a time."""
+    from trace_plugin.export import ExportError, dataset, save_hf, write_jsonl
+
+    try:
+        rows = dataset(
+            _store(db),
+            agent,
+            format="trl" if format == "hf" else format,
+            outcome=outcome,
+            since=since,
+            until=until,
+            min_reward=min_reward,
+            limit=limit,
+            sources=source or (),
+            redact=redact,
+        )
+    except ExportError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if format == "hf":
+        try:
+            import datasets  # noqa: F401
+        except ImportError:
+            console.print("[red]--format hf needs the train extra:[/] pip install 'trace-plugin[train]'")
+            raise typer.Exit(1) from None
+    write = save_hf if format == "hf" else write_jsonl
+    count = _written(rows, f"exporting {agent}", lambda written: write(written, out))
+    console.print(f"[green]wrote {count} row(s) from {rows.read} episode(s) to {out}[/]")
+    _left_out(rows.left_out, "episode(s)")
+
+
+def _written(rows: Any, description: str, write: Callable[[Iterable[dict[str, Any]]], int]) -> int:
+    """``write(rows)``, with a progress bar over the sources (episodes, seeds) ``rows`` reads."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task(description, total=rows.total)
+
+        def advancing() -> Iterator[dict[str, Any]]:
+            for row in rows:
+                progress.update(bar, completed=rows.read)
+                yield row
+            progress.update(bar, completed=rows.read)
+
+        return write(advancing())
+
+
+def _left_out(reasons: dict[str, int], what: str) -> None:
+    for reason, count in sorted(reasons.items()):
+        console.print(f"[yellow]left out {count} {what}: {reason}[/]")
 
 
 @app.command("dashboard")

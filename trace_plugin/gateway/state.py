@@ -231,23 +231,26 @@ class GatewayState:
         call: ModelCall,
         replies: list[dict[str, Any]],
         completions: list[Completion],
-        with_ids: bool,
         t0: float,
     ) -> str:
-        """Record ``call`` with its replies (one per choice), the completions' token counts
-        and, when the client asked for them, their token ids; returns the episode id."""
-        token_ids = None
-        if with_ids:
-            token_ids = {
-                "prompt": completions[0].prompt_token_ids,
-                "completions": [c.token_ids for c in completions],
-            }
+        """Record ``call`` with its replies (one per choice) and the token ids the backend
+        generated them from, whether or not the client asked to see them: training and the
+        ``tokens`` export read these ids, never a retokenization of the text. The sampled
+        tokens' log-probabilities come along where the call asked for them (computing them
+        for every call would cost every decode step). Returns the episode id."""
+        first = completions[0]
+        token_ids: dict[str, Any] = {
+            "prompt": first.prompt_token_ids,
+            "completions": [c.token_ids for c in completions],
+        }
+        if first.logprobs is not None:
+            token_ids["logprobs"] = [c.logprobs for c in completions]
         return self.episodes.record(
             replace(
                 call,
                 reply=replies[0],
                 output=replies[0] if len(replies) == 1 else {"choices": replies},
-                prompt_tokens=len(completions[0].prompt_token_ids),
+                prompt_tokens=len(first.prompt_token_ids),
                 completion_tokens=sum(len(c.token_ids) for c in completions),
                 latency_ms=(time.perf_counter() - t0) * 1000,
                 token_ids=token_ids,

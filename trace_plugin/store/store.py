@@ -7,17 +7,18 @@ import hashlib
 import json
 import re
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import orjson
-from sqlalchemy import Engine, bindparam, case, func, literal, select, text, update
+from sqlalchemy import Engine, bindparam, case, func, literal, or_, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
+from sqlalchemy.sql.elements import ColumnElement
 
 from trace_plugin.records.capability import Capability
 from trace_plugin.records.deployment import Deployment
@@ -63,6 +64,36 @@ class OutcomeWindow:
     @property
     def success_rate(self) -> float | None:
         return self.successes / self.recent if self.recent else None
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeFilter:
+    """Which of one agent's episodes a bulk read selects; None (or no sources) means any.
+
+    ``since`` is inclusive and ``until`` exclusive, on the start time (naive means UTC).
+    """
+
+    agent: str
+    outcome: Literal["success", "failure"] | None = None
+    sources: tuple[str, ...] = ()
+    since: datetime | None = None
+    until: datetime | None = None
+    min_reward: float | None = None
+
+    def clauses(self) -> list[ColumnElement[bool]]:
+        e = t.episodes.c
+        where: list[ColumnElement[bool]] = [e.agent == self.agent]
+        if self.outcome is not None:
+            where.append(getattr(outcome_clauses(e.label, e.reward), self.outcome))
+        if self.sources:
+            where.append(e.source.in_(self.sources))
+        if self.since is not None:
+            where.append(e.started_at >= _utc(self.since))
+        if self.until is not None:
+            where.append(e.started_at < _utc(self.until))
+        if self.min_reward is not None:
+            where.append(e.reward >= self.min_reward)
+        return where
 
 
 def tool_hash(schema: dict[str, Any]) -> str:
@@ -125,6 +156,11 @@ def _column_fitter(length: int | None) -> Callable[[Sequence[Any]], Sequence[str
         return list(map(fit, values))
 
     return fit_column
+
+
+def _utc(value: datetime) -> datetime:
+    """A bound for a query on started_at: SQLite compares naive UTC text, so convert first."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 def _aware(value: datetime | None) -> datetime | None:
@@ -376,17 +412,49 @@ class Store:
         query = query.order_by(t.episodes.c.started_at.desc(), t.episodes.c.id).limit(limit)
         with self._read_engine.connect() as conn:
             episodes = [_episode_from_row(r) for r in conn.execute(query).mappings()]
-            by_id = {e.id: e for e in episodes}
             for start in range(0, len(episodes), 500):  # bounded IN lists
-                ids = [e.id for e in episodes[start : start + 500]]
-                rows = conn.execute(
-                    select(t.steps)
-                    .where(t.steps.c.episode_id.in_(ids))
-                    .order_by(t.steps.c.episode_id, t.steps.c.seq)
-                ).mappings()
-                for row in rows:
-                    by_id[row["episode_id"]].steps.append(_from_row(Step, row, _STEP_COLUMNS))
+                _add_steps(conn, episodes[start : start + 500])
         return episodes
+
+    def episode_statuses(self, where: EpisodeFilter) -> dict[str, int]:
+        """How many of the episodes ``where`` selects are in each status."""
+        e = t.episodes.c
+        query = select(e.status, func.count()).where(*where.clauses()).group_by(e.status)
+        with self._read_engine.connect() as conn:
+            return {status: n for status, n in conn.execute(query)}
+
+    def iter_episodes(
+        self, where: EpisodeFilter, *, limit: int | None = None, page: int = 100
+    ) -> Iterator[Episode]:
+        """The finished episodes ``where`` selects, newest first, with their steps, read
+        ``page`` at a time: memory stays that of one page however many there are.
+
+        Pages follow (started_at, id) from the last one read, not an offset, so each costs
+        the same and episodes written meanwhile shift nothing. Each LLM step's ``tools``
+        holds the schemas of the tools its input names, from those the episode was offered
+        (the store keeps them once per episode, not per step).
+        """
+        e = t.episodes.c
+        query = select(t.episodes).where(*where.clauses(), e.status != "running")
+        query = query.order_by(e.started_at.desc(), e.id.desc())
+        after: tuple[datetime, str] | None = None
+        left = limit
+        while left is None or left > 0:
+            size = page if left is None else min(page, left)
+            paged = query
+            if after is not None:
+                at, last = after
+                # The bound alone first, so that the (agent, started_at) index ranges over it.
+                paged = query.where(e.started_at <= at, or_(e.started_at < at, e.id < last))
+            with self._read_engine.connect() as conn:
+                episodes = [_episode_from_row(r) for r in conn.execute(paged.limit(size)).mappings()]
+                _add_steps(conn, episodes)
+                _add_tools(conn, episodes)
+            yield from episodes
+            if len(episodes) < size:
+                return
+            after = (episodes[-1].started_at, episodes[-1].id)
+            left = None if left is None else left - len(episodes)
 
     def save_capabilities(self, agent: str, capabilities: Sequence[Capability]) -> None:
         rows = [{"agent": agent, **_to_row(c, _CAPABILITY_COLUMNS)} for c in capabilities]
@@ -703,6 +771,39 @@ def _episode_from_row(row: Any) -> Episode:
     episode = _from_row(Episode, row, _EPISODE_COLUMNS)
     episode.metadata = episode.metadata or {}
     return episode
+
+
+def _add_steps(conn: Connection, episodes: Sequence[Episode]) -> None:
+    """Read ``episodes``' steps into them, in order, in one query."""
+    by_id = {e.id: e for e in episodes}
+    if not by_id:
+        return
+    steps = t.steps.c
+    query = select(t.steps).where(steps.episode_id.in_(list(by_id))).order_by(steps.episode_id, steps.seq)
+    for row in conn.execute(query).mappings():
+        by_id[row["episode_id"]].steps.append(_from_row(Step, row, _STEP_COLUMNS))
+
+
+def _add_tools(conn: Connection, episodes: Sequence[Episode]) -> None:
+    """Give each LLM step the schemas of the tools its input names, from its episode's."""
+    offered: dict[str, dict[str, dict[str, Any]]] = {e.id: {} for e in episodes}
+    if not offered:
+        return
+    links = t.episode_tools.c
+    query = (
+        select(links.episode_id, t.tool_schemas.c.name, t.tool_schemas.c.schema)
+        .join(t.tool_schemas, t.tool_schemas.c.hash == links.tool_hash)
+        .where(links.episode_id.in_(list(offered)))
+        .order_by(links.episode_id, links.tool_hash)
+    )
+    for episode_id, name, schema in conn.execute(query):
+        offered[episode_id].setdefault(name, schema)
+    for episode in episodes:
+        schemas = offered[episode.id]
+        for step in episode.steps:
+            names = step.input.get("tools") if step.kind == "llm" and isinstance(step.input, dict) else None
+            if schemas and isinstance(names, list):
+                step.tools = [schemas[n] for n in names if isinstance(n, str) and n in schemas]
 
 
 def _fit(column: t.Column, value: Any) -> str | None:

@@ -115,9 +115,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, gatewa
     episode_id = None
     if call.record:
         replies = [c["message"] for c in choices]
-        episode_id = gateway.record_call(
-            replace(call, adapter=served), replies, completions, body.return_token_ids, t0
-        )
+        episode_id = gateway.record_call(replace(call, adapter=served), replies, completions, t0)
     headers = {ADAPTER_HEADER: served or "", **({EPISODE_HEADER: episode_id} if episode_id else {})}
     return JSONResponse(response, headers=headers)
 
@@ -178,7 +176,7 @@ async def chat_chunks(
         finished = [c for c in completions if c is not None]
         if call.record:  # before [DONE]: a client that reads to the end finds it recorded
             if len(finished) == n:
-                gateway.record_call(call, replies, finished, body.return_token_ids, t0)
+                gateway.record_call(call, replies, finished, t0)
             else:
                 gateway.record_unfinished(call, [r.seen for r in readers], t0, ENDED_EARLY)
         recorded = True

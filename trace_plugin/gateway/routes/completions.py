@@ -96,7 +96,7 @@ async def completions(body: CompletionRequest, request: Request, gateway: Gatewa
     recorded: set[str] = set()
     for call, t0, outs in calls if record else ():
         replies = [{"role": "assistant", "content": c.text} for c in outs]
-        recorded.add(gateway.record_call(call, replies, outs, body.return_token_ids, t0))
+        recorded.add(gateway.record_call(call, replies, outs, t0))
     headers = {ADAPTER_HEADER: served or ""}
     if len(recorded) == 1:
         headers[EPISODE_HEADER] = recorded.pop()
@@ -175,7 +175,7 @@ async def prompt_chunks(
         finished += complete
         if call.record and len(complete) == body.n:
             replies = [{"role": "assistant", "content": c.text} for c in complete]
-            gateway.record_call(call, replies, complete, body.return_token_ids, t0)
+            gateway.record_call(call, replies, complete, t0)
         elif call.record:
             gateway.record_unfinished(call, texts, t0, ENDED_EARLY)
         recorded = True

@@ -1,0 +1,450 @@
+"""Fine-tuning datasets out of the store, in the shapes other tools read as they are.
+
+    from trace_plugin.export import dataset, write_jsonl
+    write_jsonl(dataset(Store(), "support", format="openai", outcome="success"), Path("ft.jsonl"))
+
+An episode's conversation is its agent's last model call, the messages it sent and the
+reply it got (a model called inside a tool is not the agent's: the miner's rule), with
+the tools that call offered. Three row shapes, since OpenAI and TRL disagree:
+
+- ``openai``: OpenAI's chat fine-tuning line: tool-call ``arguments`` as JSON strings,
+  ``tools`` an array, and a final assistant message (an episode that ends on a tool call
+  is left out: OpenAI refuses it).
+- ``trl``: the conversational shape TRL's ``SFTTrainer`` reads as it is: arguments as
+  objects, as chat templates render them, and ``tools`` as a JSON string, since schemas
+  that differ from row to row break Arrow's types (``datasets`` #7322; TRL parses it).
+- ``tokens``: one row per LLM step the gateway served, the ids it generated from and
+  sampled, with the episode's reward, adapter and router version, for off-policy RL.
+
+Rows are made as they are read, a page of episodes at a time (:meth:`Store.iter_episodes`),
+so an export of any size holds one page in memory. Reference plays (:func:`reference_plays`)
+give the ``trl`` and ``openai`` rows of the solutions an expert's warm start trains on.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import orjson
+
+from trace_plugin.chat_template import arguments_object, content_text
+from trace_plugin.environments.base import (
+    Environment,
+    ToolCall,
+    offered_tools,
+    reference_answer,
+    reference_turns,
+    task_key,
+)
+from trace_plugin.errors import TracePluginError
+from trace_plugin.payload import Redactor, make_redactor
+from trace_plugin.records.outcome import reward_succeeds
+from trace_plugin.records.trajectory import Episode
+from trace_plugin.store import Store
+from trace_plugin.store.store import EpisodeFilter
+
+Format = Literal["openai", "trl", "tokens"]
+OutcomeFilter = Literal["success", "failure", "any"]
+Row = dict[str, Any]
+
+# Why an episode (or a seed) gave no row: the keys of ``Export.left_out``.
+RUNNING = "still running"
+NO_CONVERSATION = "no readable model call"  # tool calls alone (MCP proxy), a failed call, a cut payload
+ENDS_ON_TOOL_CALL = "ends on a tool call"
+NO_TOKEN_IDS = "no token ids"  # recorded elsewhere than the gateway
+UNPLAYABLE = "no successful reference within the turn limit"
+REPEATED = "repeats an earlier seed's task"
+
+_ROLE_OF = {"human": "user", "ai": "assistant"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+class ExportError(TracePluginError, ValueError):
+    """An export that cannot be made as asked."""
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """OpenAI chat messages (tool-call arguments as JSON strings), ending with the reply,
+    and the OpenAI schemas of the tools offered."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+
+
+class Export(Iterator[Row]):
+    """Rows made from sources (episodes, or seeds) as the rows are consumed: ``total``
+    sources to read, ``read`` so far, and ``left_out``, the sources that gave no row, by
+    reason (running episodes are counted before the first row)."""
+
+    def __init__(
+        self,
+        sources: Iterable[Any],
+        rows_of: Callable[[Any], list[Row] | str],
+        total: int,
+        left_out: Counter[str] | None = None,
+    ) -> None:
+        self.total, self.read = total, 0
+        self.left_out: Counter[str] = left_out or Counter()
+        self._sources, self._rows_of = iter(sources), rows_of
+        self._pending: deque[Row] = deque()
+
+    def __next__(self) -> Row:
+        while not self._pending:
+            source = next(self._sources)
+            self.read += 1
+            rows = self._rows_of(source)
+            if isinstance(rows, str):
+                self.left_out[rows] += 1
+            else:
+                self._pending.extend(rows)
+        return self._pending.popleft()
+
+
+def dataset(
+    store: Store,
+    agent: str,
+    *,
+    format: Format = "trl",
+    outcome: OutcomeFilter = "any",
+    since: datetime | None = None,
+    until: datetime | None = None,
+    min_reward: float | None = None,
+    limit: int | None = None,
+    sources: Sequence[str] = (),
+    redact: bool | Redactor | None = None,
+) -> Export:
+    """``agent``'s finished episodes as rows of ``format``, newest first.
+
+    ``since`` is inclusive, ``until`` exclusive (naive means UTC); ``limit`` reads the
+    newest that many; ``sources`` keeps episodes recorded by those sources (``langgraph``,
+    ``gateway``, ``runner``...). ``redact`` applies the capture-time redactors to message
+    text and tool-call arguments (``True``: the built-in patterns; a function: after them);
+    the one a capture used is not stored, so this is not a promise of "as at capture".
+    """
+    if format not in get_args(Format):
+        raise ExportError(f"format {format!r} is not one of {', '.join(get_args(Format))}")
+    if outcome not in get_args(OutcomeFilter):
+        raise ExportError(f"outcome {outcome!r} is not one of {', '.join(get_args(OutcomeFilter))}")
+    redactor = make_redactor(redact)
+    if format == "tokens" and redactor is not None:
+        raise ExportError("token ids cannot be redacted: export messages (openai or trl) instead")
+    where = EpisodeFilter(
+        agent,
+        outcome=None if outcome == "any" else outcome,
+        sources=tuple(sources),
+        since=since,
+        until=until,
+        min_reward=min_reward,
+    )
+    statuses = store.episode_statuses(where)
+    running = statuses.pop("running", 0)
+    finished = sum(statuses.values())
+    total = finished if limit is None else min(limit, finished)
+
+    def rows_of(episode: Episode) -> list[Row] | str:
+        if format == "tokens":
+            return token_rows(episode) or NO_TOKEN_IDS
+        found = conversation(episode)
+        if found is None:
+            return NO_CONVERSATION
+        return _rows_of_conversation(_redacted(found, redactor) if redactor else found, format)
+
+    episodes = store.iter_episodes(where, limit=limit)
+    return Export(episodes, rows_of, total, Counter({RUNNING: running}) if running else None)
+
+
+def reference_plays(
+    env_factory: Callable[[], Environment],
+    seeds: Iterable[int],
+    *,
+    format: Literal["openai", "trl"] = "trl",
+    max_turns: int,
+    max_observation_chars: int,
+    examples: Sequence[dict[str, Any]] = (),
+) -> Export:
+    """The verified reference solutions of an environment's tasks on ``seeds`` as the warm
+    start plays them (``training.episodes.EpisodePlayer.reference``, whose ids are these
+    rows rendered by our chat template), behind the agent's ``examples``; a seed whose
+    task repeats an earlier one's is passed over, as the warm start does."""
+    seeds = list(seeds)
+    seen: set[str] = set()
+
+    def rows_of(seed: int) -> list[Row] | str:
+        env = env_factory()
+        task = env.reset(seed)
+        key = task_key(task.prompt, offered_tools(env, task))
+        if key in seen:
+            return REPEATED
+        play = _reference_conversation(env_factory(), seed, max_turns, max_observation_chars, examples)
+        if play is None:
+            return UNPLAYABLE
+        seen.add(key)
+        return _rows_of_conversation(play, format)
+
+    return Export(seeds, rows_of, len(seeds))
+
+
+# -- one episode ------------------------------------------------------------------------
+
+
+def conversation(episode: Episode) -> Conversation | None:
+    """The agent's last model call as a conversation ending with its reply, or None when
+    there is none to read: no model call (tool calls alone), or one that failed or whose
+    payload was cut."""
+    tool_runs = {s.run_id for s in episode.steps if s.kind == "tool" and s.run_id}
+    calls = [
+        s
+        for s in episode.steps
+        if s.kind == "llm" and isinstance(s.input, dict) and s.parent_run_id not in tool_runs
+    ]
+    if not calls:
+        return None
+    last = calls[-1]
+    raw = last.input.get("messages")
+    reply = last.output
+    if isinstance(reply, dict) and isinstance(reply.get("choices"), list):  # n > 1: the one it went on with
+        reply = reply["choices"][0] if reply["choices"] else None
+    if isinstance(reply, str):
+        reply = {"role": "assistant", "content": reply}
+    messages = _messages([*raw, reply]) if isinstance(raw, list) and reply is not None else None
+    if not messages or messages[-1]["role"] != "assistant":
+        return None
+    return Conversation(messages, list(last.tools or []))
+
+
+def _messages(raw: list[Any]) -> list[dict[str, Any]] | None:
+    """``raw`` as :func:`_message` gives each, with tool calls and results paired by id;
+    None if one is not a chat message."""
+    messages = []
+    for item in raw:
+        message = _message(item)
+        if message is None:
+            return None
+        messages.append(message)
+    return _paired(messages)
+
+
+def _message(raw: Any) -> dict[str, Any] | None:
+    """One message in OpenAI's form with text content, or None if it is not a chat message."""
+    if isinstance(raw, list | tuple) and len(raw) == 2 and isinstance(raw[0], str):  # ("user", "hi")
+        raw = {"role": raw[0], "content": raw[1]}
+    if not isinstance(raw, dict):
+        return None
+    role = raw.get("role")
+    role = _ROLE_OF.get(role, role)
+    if role not in _ROLES:
+        return None
+    text = content_text(raw.get("content"))
+    if role == "tool":
+        return {"role": "tool", "tool_call_id": raw.get("tool_call_id"), "content": text}
+    message: dict[str, Any] = {"role": role, "content": text}
+    if role == "assistant" and raw.get("tool_calls"):
+        message["tool_calls"] = [_tool_call(c) for c in raw["tool_calls"] if isinstance(c, dict)]
+    return message
+
+
+def _tool_call(raw: dict[str, Any]) -> dict[str, Any]:
+    function = raw.get("function", raw)
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
+    return {
+        "id": raw.get("id"),
+        "type": "function",
+        "function": {"name": str(function.get("name", "")), "arguments": arguments},
+    }
+
+
+def _paired(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every tool call with an id, and every tool message with the id of the call it
+    answers: a call recorded without one gets one made from its place, and a result
+    without one answers the oldest call still unanswered (OpenAI requires both)."""
+    unanswered: deque[str] = deque()
+    for n, message in enumerate(messages):
+        for i, call in enumerate(message.get("tool_calls") or ()):
+            call["id"] = call["id"] or f"call_{n}_{i}"
+            unanswered.append(call["id"])
+        if message["role"] == "tool":
+            if message["tool_call_id"] in unanswered:
+                unanswered.remove(message["tool_call_id"])
+            elif unanswered:
+                message["tool_call_id"] = unanswered.popleft()
+    return messages
+
+
+def _rows_of_conversation(found: Conversation, format: Format) -> list[Row] | str:
+    """A conversation as ``format``'s one row, or why that format cannot take it."""
+    if format == "openai":
+        row = openai_row(found)
+        return ENDS_ON_TOOL_CALL if row is None else [row]
+    return [trl_row(found)]
+
+
+def openai_row(found: Conversation) -> Row | None:
+    """OpenAI's chat fine-tuning line, or None for a conversation that ends on a tool call
+    (OpenAI needs a final assistant message). An assistant message that only calls tools
+    has no ``content``, as in OpenAI's examples."""
+    if found.messages[-1].get("tool_calls"):
+        return None
+    messages = [
+        {k: v for k, v in m.items() if k != "content"} if m.get("tool_calls") and not m["content"] else m
+        for m in found.messages
+    ]
+    return {"messages": messages, "tools": found.tools} if found.tools else {"messages": messages}
+
+
+def trl_row(found: Conversation) -> Row:
+    """TRL's conversational row: arguments as objects, ``tools`` as JSON text."""
+    messages = [
+        {**m, "tool_calls": [_with_object_arguments(c) for c in m["tool_calls"]]} if "tool_calls" in m else m
+        for m in found.messages
+    ]
+    return {"messages": messages, "tools": json.dumps(found.tools, ensure_ascii=False)}
+
+
+def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = call["function"]
+    return {**call, "function": {**function, "arguments": arguments_object(function["arguments"])}}
+
+
+def token_rows(episode: Episode) -> list[Row]:
+    """One row per LLM step with token ids: the prompt's ids, the ids of the completion the
+    episode went on with and, where the call asked for them, their log-probabilities."""
+    rows = []
+    for step in episode.steps:
+        ids = step.token_ids
+        if step.kind != "llm" or not isinstance(ids, dict) or not ids.get("completions"):
+            continue
+        logprobs = ids.get("logprobs")
+        rows.append(
+            {
+                "episode_id": episode.id,
+                "step": step.seq,
+                "prompt_ids": ids["prompt"],
+                "completion_ids": ids["completions"][0],
+                "completion_logprobs": logprobs[0] if logprobs else None,
+                "reward": episode.reward,
+                "adapter": episode.adapter,
+                "router": episode.router,
+            }
+        )
+    return rows
+
+
+def _redacted(found: Conversation, redact: Redactor) -> Conversation:
+    """Message text and tool-call arguments with ``redact`` applied to every string in
+    them (arguments that parse as JSON: to the strings inside, so they still parse)."""
+
+    def call(c: dict[str, Any]) -> dict[str, Any]:
+        arguments = arguments_object(c["function"]["arguments"])
+        text = (
+            redact(arguments)
+            if isinstance(arguments, str)
+            else json.dumps(_strings(arguments, redact), ensure_ascii=False)
+        )
+        return {**c, "function": {**c["function"], "arguments": text}}
+
+    messages = []
+    for m in found.messages:
+        m = {**m, "content": redact(m["content"])}
+        if "tool_calls" in m:
+            m["tool_calls"] = [call(c) for c in m["tool_calls"]]
+        messages.append(m)
+    return Conversation(messages, found.tools)
+
+
+def _strings(value: Any, redact: Redactor) -> Any:
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, list):
+        return [_strings(v, redact) for v in value]
+    if isinstance(value, dict):
+        return {k: _strings(v, redact) for k, v in value.items()}
+    return value
+
+
+# -- reference plays --------------------------------------------------------------------
+
+
+def _reference_conversation(
+    env: Environment,
+    seed: int,
+    max_turns: int,
+    max_observation_chars: int,
+    examples: Sequence[dict[str, Any]] = (),
+) -> Conversation | None:
+    """``EpisodePlayer.reference`` as messages: the reference calls (one turn each, or one
+    for all where the task says they are independent), the environment's real results cut
+    to ``max_observation_chars``, then the answer told to the user. None when the task has
+    no reference, is unsatisfiable, takes more than ``max_turns`` or the play fails."""
+    task = env.reset(seed)
+    if task.metadata.get("reference") is None or not task.metadata.get("satisfiable", True):
+        return None
+    turns = reference_turns(task.metadata)
+    answer = reference_answer(task.metadata)
+    if len(turns) + (answer is not None) > max_turns:
+        return None
+    system = {"role": "system", "content": env.system_prompt}
+    messages = _messages([system, *examples]) or [system]
+    messages.append({"role": "user", "content": task.prompt})
+    told = ""
+    for i, turn in enumerate(turns):
+        calls = [_tool_call({"id": f"call_{i}_{k}", **c}) for k, c in enumerate(turn)]
+        messages.append({"role": "assistant", "content": "", "tool_calls": calls})
+        results = [_observe(env, c, max_observation_chars) for c in turn]
+        if env.done or (i == len(turns) - 1 and answer is None):
+            break
+        messages += [
+            {"role": "tool", "tool_call_id": c["id"], "content": r}
+            for c, r in zip(calls, results, strict=True)
+        ]
+    else:
+        if answer is not None:
+            messages.append({"role": "assistant", "content": answer})
+            told = answer
+    if not reward_succeeds(float(env.reward(told).total)):
+        return None
+    return Conversation(messages, offered_tools(env, task))
+
+
+def _observe(env: Environment, call: dict[str, Any], max_chars: int) -> str:
+    observation = env.step(ToolCall.from_openai(call))
+    return observation[:max_chars] + "…" if len(observation) > max_chars else observation
+
+
+# -- writers ----------------------------------------------------------------------------
+
+
+def write_jsonl(rows: Iterable[Row], path: Path) -> int:
+    """``rows`` as JSON lines in UTF-8; returns how many."""
+    count = 0
+    with path.open("wb") as out:
+        for row in rows:
+            out.write(orjson.dumps(row) + b"\n")
+            count += 1
+    return count
+
+
+def save_hf(rows: Iterable[Row], path: Path) -> int:
+    """``trl`` rows as a Hugging Face dataset on disk (``datasets.load_from_disk``), built
+    through a temporary cache in batches; returns how many. Messages are ``Json`` values
+    (``datasets`` >= 4.7), which keep each row's arguments as they are. The fingerprint is
+    fresh: ``datasets`` would otherwise hash the generator, and rows cannot be pickled."""
+    from datasets import Dataset, Features, Json, List, Value
+
+    features = Features({"messages": List(Json()), "tools": Value("string")})
+    with tempfile.TemporaryDirectory() as cache:
+        built = Dataset.from_generator(
+            lambda: iter(rows), features=features, cache_dir=cache, fingerprint=uuid.uuid4().hex
+        )
+        built.save_to_disk(str(path))
+        return len(built)
