@@ -106,7 +106,8 @@ def test_head_answers_as_get_does_without_the_body(sqlite_url: str) -> None:
     app = create_dashboard(corpus.store)
     client = TestClient(app)
     paths = ["/", "/episodes?agent=alpha", f"/episodes/{corpus.ids['a3']}", "/episodes/missing",
-             "/success?bucket=day", "/capabilities", "/improver", "/episodes?page=0"]  # fmt: skip
+             "/success?bucket=day", "/capabilities", "/improver", "/episodes?page=0",
+             f"/export/trl/{corpus.ids['a3']}"]  # fmt: skip
     for path in paths:
         got = client.get(path, follow_redirects=False)
         head = client.head(path, follow_redirects=False)
@@ -130,7 +131,7 @@ def test_head_answers_as_get_does_without_the_body(sqlite_url: str) -> None:
 
 # {real} is a stored episode's id, {any} a generated one.
 ROUTES = ["/", "/episodes", "/success", "/capabilities", "/improver", "/episodes/{real}", "/episodes/{any}",
-          "/nowhere"]  # fmt: skip
+          "/export/trl/{real}", "/export/openai/{any}", "/export/{any}/{real}", "/nowhere"]  # fmt: skip
 EDGES = ["", " ", "\x00", "alpha\x00", "0", "-1", "1e3", "nan", str(MAX_PAGE), str(MAX_PAGE + 1),
          "99999999999999999999999", "0001-01-01T00:00+01:00", "9999-12-31T23:59-01:00"]  # fmt: skip
 offsets = st.timedeltas(min_value=-timedelta(hours=23, minutes=59), max_value=timedelta(hours=23, minutes=59))

@@ -159,6 +159,33 @@ def test_tokens_rows_are_the_stored_ids_with_the_episode_reward_adapter_and_rout
         dataset(shop, "shop", format="tokens", redact=True)
 
 
+def test_the_dashboards_episode_page_links_to_that_episodes_export(shop):
+    from fastapi.testclient import TestClient
+
+    from trace_plugin.dashboard.app import create_dashboard
+
+    client = TestClient(create_dashboard(shop))
+    ids = dict(zip("hgfedcba", [e.id for e in shop.list_episodes("shop")], strict=True))  # newest first
+    page = client.get(f"/episodes/{ids['c']}").text
+    links = re.findall(r'href="(/export/[^"]+)"', page)
+    assert [link.split("/")[2] for link in links] == ["openai", "trl", "tokens"]
+    for link, format in zip(links, ("openai", "trl", "tokens"), strict=True):
+        served = client.get(link)
+        assert served.status_code == 200 and served.headers["content-type"] == "application/jsonl"
+        assert served.headers["content-disposition"].startswith("attachment;")
+        rows = list(dataset(shop, "shop", format=format))
+        expected = (
+            [r for r in rows if r["episode_id"] == ids["c"]]
+            if format == "tokens"
+            else [r for r, name in zip(rows, names(rows), strict=True) if name == "c"]
+        )
+        assert expected and [json.loads(line) for line in served.text.splitlines()] == expected
+    assert client.get(f"/export/csv/{ids['c']}").status_code == 400
+    assert client.get("/export/trl/nobody").status_code == 404
+    running = client.get(f"/export/trl/{ids['h']}")
+    assert running.status_code == 404 and "still running" in running.text
+
+
 def test_redact_masks_messages_and_arguments_which_still_parse(shop):
     [row] = dataset(shop, "shop", format="openai", outcome="success", sources=["langgraph"], redact=True)
     text = json.dumps(row)

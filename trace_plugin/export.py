@@ -150,16 +150,25 @@ def dataset(
     finished = sum(statuses.values())
     total = finished if limit is None else min(limit, finished)
 
-    def rows_of(episode: Episode) -> list[Row] | str:
-        if format == "tokens":
-            return token_rows(episode) or NO_TOKEN_IDS
-        found = conversation(episode)
-        if found is None:
-            return NO_CONVERSATION
-        return _rows_of_conversation(_redacted(found, redactor) if redactor else found, format)
-
     episodes = store.iter_episodes(where, limit=limit)
-    return Export(episodes, rows_of, total, Counter({RUNNING: running}) if running else None)
+    return Export(
+        episodes,
+        lambda episode: episode_rows(episode, format, redactor),
+        total,
+        Counter({RUNNING: running}) if running else None,
+    )
+
+
+def episode_rows(episode: Episode, format: Format, redactor: Redactor | None = None) -> list[Row] | str:
+    """One episode's rows of ``format``, or why it gives none (a ``left_out`` reason)."""
+    if episode.status == "running":
+        return RUNNING
+    if format == "tokens":
+        return token_rows(episode) or NO_TOKEN_IDS
+    found = conversation(episode)
+    if found is None:
+        return NO_CONVERSATION
+    return _rows_of_conversation(_redacted(found, redactor) if redactor else found, format)
 
 
 def reference_plays(
@@ -424,12 +433,17 @@ def _observe(env: Environment, call: dict[str, Any], max_chars: int) -> str:
 # -- writers ----------------------------------------------------------------------------
 
 
+def jsonl(row: Row) -> bytes:
+    """One row as a JSON line in UTF-8."""
+    return orjson.dumps(row) + b"\n"
+
+
 def write_jsonl(rows: Iterable[Row], path: Path) -> int:
-    """``rows`` as JSON lines in UTF-8; returns how many."""
+    """``rows`` as JSON lines; returns how many."""
     count = 0
     with path.open("wb") as out:
         for row in rows:
-            out.write(orjson.dumps(row) + b"\n")
+            out.write(jsonl(row))
             count += 1
     return count
 

@@ -19,6 +19,7 @@ guard's 403 and error pages included, carries the security headers.
 from __future__ import annotations
 
 import hmac
+import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,6 +33,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.base import RequestResponseEndpoint
 
+from trace_plugin import export
 from trace_plugin.dashboard import improver as imp
 from trace_plugin.dashboard import queries as q
 from trace_plugin.dashboard.conversation import conversation, pretty
@@ -232,6 +234,24 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
             outcome=outcome_of(found.label, found.reward),
             messages=conversation(found),
             feedback=store.feedback_for(episode_id),
+            exports=get_args(export.Format),
+        )
+
+    @app.api_route("/export/{format}/{episode_id:path}", methods=READ_METHODS)
+    def export_episode(format: str, episode_id: str) -> Response:
+        """One episode as ``trace-plugin export dataset --format FORMAT`` writes it, to download."""
+        chosen = _choice(format, get_args(export.Format), "format")
+        found = store.get_episode(_text(episode_id, "episode") or "")
+        if found is None:
+            raise HTTPException(404, f"no episode {episode_id}")
+        rows = export.episode_rows(found, chosen)
+        if isinstance(rows, str):
+            raise HTTPException(404, f"episode {episode_id} gives no {chosen} rows: {rows}")
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", episode_id)[:100]
+        return Response(
+            b"".join(map(export.jsonl, rows)),
+            media_type="application/jsonl",
+            headers={"Content-Disposition": f'attachment; filename="{name}.{chosen}.jsonl"'},
         )
 
     @app.api_route("/success", methods=READ_METHODS)

@@ -365,18 +365,17 @@ class Store:
         return [_episode_from_row(r) for r in rows]
 
     def get_episode(self, episode_id: str) -> Episode | None:
-        """One episode with its steps in order, or None."""
+        """One episode with its steps in order, each LLM step's tools as schemas (as
+        :meth:`iter_episodes` gives them), or None."""
         episode_id = _fit(t.episodes.c.id, episode_id)
         with self._read_engine.connect() as conn:
             row = conn.execute(select(t.episodes).where(t.episodes.c.id == episode_id)).mappings()
             row = row.first()
             if row is None:
                 return None
-            step_rows = conn.execute(
-                select(t.steps).where(t.steps.c.episode_id == episode_id).order_by(t.steps.c.seq)
-            ).mappings()
             episode = _episode_from_row(row)
-            episode.steps = [_from_row(Step, s, _STEP_COLUMNS) for s in step_rows]
+            _add_steps(conn, [episode])
+            _add_tools(conn, [episode])
         return episode
 
     def feedback_for(self, episode_id: str) -> list[Feedback]:
