@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from agents import build, find_user, get_order, model_for, user
+from test_warm_start import EXAMPLES
 from typer.testing import CliRunner
 
 import trace_plugin
@@ -476,23 +477,6 @@ def test_token_ids_in_the_export_are_the_ones_the_client_received(embedded_backe
 
 
 # -- reference plays -------------------------------------------------------------------------
-
-EXAMPLES: list[dict[str, Any]] = [  # an agent's few-shot, in OpenAI form, as serving receives it
-    {"role": "user", "content": "Status of order #W1000001? My email is ann.lee12@example.com."},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": "ex1",
-                "type": "function",
-                "function": {"name": "get_order", "arguments": '{"order_id": "#W1000001"}'},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "ex1", "content": '{"order_id": "#W1000001", "status": "pending"}'},
-    {"role": "assistant", "content": "Your order #W1000001 is pending."},
-]
 
 
 @pytest.fixture(scope="module")
