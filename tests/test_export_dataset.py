@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from agents import build, find_user, get_order, model_for, user
+from test_gateway import TOOLS
 from test_warm_start import EXAMPLES
 from typer.testing import CliRunner
 
@@ -42,18 +43,7 @@ from trace_plugin.records.trajectory import Episode, EpisodeEnd, Step, new_episo
 from trace_plugin.store.store import EpisodeFilter
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_order",
-        "description": "Look up an order",
-        "parameters": {
-            "type": "object",
-            "properties": {"order_id": {"type": "string"}},
-            "required": ["order_id"],
-        },
-    },
-}
+[TOOL] = [t for t in TOOLS if t["function"]["name"] == "get_order"]
 CALL = {
     "id": "c1",
     "type": "function",
