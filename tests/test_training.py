@@ -619,3 +619,17 @@ def test_the_shared_prompt_loss_pass_equals_trls_in_values_and_gradients():
     for name in g_expected:  # float32 sums in another order: equal up to rounding
         error = (g_ours[name] - g_expected[name]).norm() / g_expected[name].norm().clamp_min(1e-12)
         assert error < 1e-4, (name, float(error))
+
+
+def test_a_vllm_server_is_where_a_run_takes_place_not_what_it_learns():
+    """A run resumed against a vLLM server on another port (``--engine vllm`` takes a free
+    one each start) is the same run; a server needs its backend and the backend a server."""
+    here, there = (
+        ExpertTrainingConfig(backend="vllm-server", vllm_url=f"http://127.0.0.1:{port}")
+        for port in (8001, 8002)
+    )
+    assert here.to_dict() != there.to_dict() and here.learning_dict() == there.learning_dict()
+    assert here.learning_dict() != ExpertTrainingConfig().learning_dict()  # the backend itself counts
+    for wrong in ({"backend": "vllm-server"}, {"vllm_url": "http://127.0.0.1:8001"}):
+        with pytest.raises(ValueError, match="vllm_url"):
+            ExpertTrainingConfig(**wrong)
