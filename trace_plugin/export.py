@@ -36,17 +36,9 @@ from typing import Any, Literal, get_args
 import orjson
 
 from trace_plugin.chat_template import arguments_object, content_text
-from trace_plugin.environments.base import (
-    Environment,
-    ToolCall,
-    offered_tools,
-    reference_answer,
-    reference_turns,
-    task_key,
-)
+from trace_plugin.environments.base import Environment, offered_tools, play_reference, task_key
 from trace_plugin.errors import TracePluginError
 from trace_plugin.payload import Redactor, make_redactor
-from trace_plugin.records.outcome import reward_succeeds
 from trace_plugin.records.trajectory import Episode
 from trace_plugin.store import Store
 from trace_plugin.store.store import EpisodeFilter
@@ -391,43 +383,26 @@ def _reference_conversation(
     max_observation_chars: int,
     examples: Sequence[dict[str, Any]] = (),
 ) -> Conversation | None:
-    """``EpisodePlayer.reference`` as messages: the reference calls (one turn each, or one
-    for all where the task says they are independent), the environment's real results cut
-    to ``max_observation_chars``, then the answer told to the user. None when the task has
-    no reference, is unsatisfiable, takes more than ``max_turns`` or the play fails."""
-    task = env.reset(seed)
-    if task.metadata.get("reference") is None or not task.metadata.get("satisfiable", True):
-        return None
-    turns = reference_turns(task.metadata)
-    answer = reference_answer(task.metadata)
-    if len(turns) + (answer is not None) > max_turns:
+    """The task's reference play (:func:`play_reference`, as the warm start plays it) as
+    messages behind the system prompt and the agent's ``examples``, or None where it has
+    none that succeeds."""
+    play = play_reference(env, seed, max_turns=max_turns, max_observation_chars=max_observation_chars)
+    if play is None:
         return None
     system = {"role": "system", "content": env.system_prompt}
     messages = _messages([system, *examples]) or [system]
-    messages.append({"role": "user", "content": task.prompt})
-    told = ""
-    for i, turn in enumerate(turns):
+    messages.append({"role": "user", "content": play.task.prompt})
+    for i, (turn, results) in enumerate(play.turns):
         calls = [_tool_call({"id": f"call_{i}_{k}", **c}) for k, c in enumerate(turn)]
         messages.append({"role": "assistant", "content": "", "tool_calls": calls})
-        results = [_observe(env, c, max_observation_chars) for c in turn]
-        if env.done or (i == len(turns) - 1 and answer is None):
-            break
-        messages += [
-            {"role": "tool", "tool_call_id": c["id"], "content": r}
-            for c, r in zip(calls, results, strict=True)
-        ]
-    else:
-        if answer is not None:
-            messages.append({"role": "assistant", "content": answer})
-            told = answer
-    if not reward_succeeds(float(env.reward(told).total)):
-        return None
-    return Conversation(messages, offered_tools(env, task))
-
-
-def _observe(env: Environment, call: dict[str, Any], max_chars: int) -> str:
-    observation = env.step(ToolCall.from_openai(call))
-    return observation[:max_chars] + "…" if len(observation) > max_chars else observation
+        if play.shows_results(i):
+            messages += [
+                {"role": "tool", "tool_call_id": c["id"], "content": r}
+                for c, r in zip(calls, results, strict=True)
+            ]
+    if play.told is not None:
+        messages.append({"role": "assistant", "content": play.told})
+    return Conversation(messages, play.tools)
 
 
 # -- writers ----------------------------------------------------------------------------

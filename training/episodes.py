@@ -16,15 +16,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE, assistant_text, forbidden_token_ids, render
-from trace_plugin.environments.base import (
-    Environment,
-    ToolCall,
-    offered_tools,
-    reference_answer,
-    reference_turns,
-)
+from trace_plugin.environments.base import Environment, observe, offered_tools, play_reference
 from trace_plugin.generation import TemperatureSampler, generate_batch, shared_prefix, until_eos
-from trace_plugin.records.outcome import reward_succeeds
 from trace_plugin.tool_calls import parse_completion
 
 # Text appended to the ticket, or worked example turns placed just before it (a small
@@ -133,31 +126,25 @@ class EpisodePlayer:
         parses. None when the task has no reference, it is unsatisfiable, it takes more turns
         than ``max_turns``, or the played reference does not succeed."""
         env = self.env_factory()
-        task = env.reset(seed)
-        calls = task.metadata.get("reference")
-        if calls is None or not task.metadata.get("satisfiable", True):
+        play = play_reference(
+            env, seed, max_turns=self.max_turns, max_observation_chars=self.max_observation_chars
+        )
+        if play is None:
             return None
-        turns = reference_turns(task.metadata)
-        answer = reference_answer(task.metadata)
-        if len(turns) + (answer is not None) > self.max_turns:
-            return None
-        tools = offered_tools(env, task)
-        rollout = Rollout(seed, self._prompt_ids(env, tools, task.prompt), demonstration=True)
-        for i, turn in enumerate(turns):
-            message = {"role": "assistant", "content": "", "tool_calls": [dict(c) for c in turn]}
-            self._append(rollout, self._assistant_ids(message), 1)
-            observations = [self._observe(env, c) for c in turn]
+        rollout = Rollout(seed, self._prompt_ids(env, play.tools, play.task.prompt), demonstration=True)
+        for i, (calls, observations) in enumerate(play.turns):
+            self._append(
+                rollout, self._assistant_ids({"role": "assistant", "content": "", "tool_calls": calls}), 1
+            )
             rollout.turns += 1
-            if env.done or (i == len(turns) - 1 and answer is None):
-                break
-            self._append(rollout, self._tool_suffix(observations), 0)
-        else:
-            if answer is not None:
-                self._append(rollout, self._assistant_ids({"role": "assistant", "content": answer}), 1)
-                rollout.turns += 1
-                rollout.answer = answer
-        rollout.reward = float(env.reward(rollout.answer).total)
-        return rollout if reward_succeeds(rollout.reward) else None
+            if play.shows_results(i):
+                self._append(rollout, self._tool_suffix(observations), 0)
+        if play.told is not None:
+            self._append(rollout, self._assistant_ids({"role": "assistant", "content": play.told}), 1)
+            rollout.turns += 1
+            rollout.answer = play.told
+        rollout.reward = play.reward
+        return rollout
 
     def _assistant_ids(self, message: dict[str, Any]) -> list[int]:
         """An assistant message as the model writes it, EOS included (not the newline the
@@ -178,10 +165,7 @@ class EpisodePlayer:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _observe(self, env: Environment, call: dict[str, Any]) -> str:
-        observation = env.step(ToolCall.from_openai(call))
-        if len(observation) > self.max_observation_chars:
-            observation = observation[: self.max_observation_chars] + "…"
-        return observation
+        return observe(env, call, self.max_observation_chars)
 
     def _tool_suffix(self, observations: list[str]) -> list[int]:
         """The template's tokens between an assistant turn's EOS and the next assistant turn."""

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from trace_plugin.records.outcome import reward_succeeds
+
 
 @dataclass(frozen=True, slots=True)
 class Task:
@@ -125,6 +127,57 @@ def reference_answer(metadata: dict[str, Any]) -> str | None:
     return (
         "Done: your request is complete." if metadata.get("reference") else "Hello! How can I help you today?"
     )
+
+
+def observe(env: Environment, call: dict[str, Any], max_chars: int) -> str:
+    """What ``env`` answers to an OpenAI-shaped tool call, cut to ``max_chars`` (training's
+    limit on tool results: prompt tokens dominate a CPU's cost)."""
+    observation = env.step(ToolCall.from_openai(call))
+    return observation[:max_chars] + "…" if len(observation) > max_chars else observation
+
+
+@dataclass(frozen=True, slots=True)
+class ReferencePlay:
+    """A task's verified reference solution played in its environment: per turn, the calls
+    and what the environment answered, then the answer told to the user (None: the play
+    ended on a call). A turn's results are shown to the model only when something follows
+    them (:meth:`shows_results`)."""
+
+    task: Task
+    tools: list[dict[str, Any]]
+    turns: list[tuple[list[dict[str, Any]], list[str]]]
+    told: str | None
+    reward: float
+
+    def shows_results(self, turn: int) -> bool:
+        return turn < len(self.turns) - 1 or self.told is not None
+
+
+def play_reference(
+    env: Environment, seed: int, *, max_turns: int, max_observation_chars: int
+) -> ReferencePlay | None:
+    """Play the task's reference calls (:func:`reference_turns`) with the environment's real
+    results, then tell :func:`reference_answer`. None when the task has no reference, is
+    unsatisfiable, takes more than ``max_turns``, or the play does not succeed. The warm
+    start's token ids and the exported reference plays are both made from this one play."""
+    task = env.reset(seed)
+    if task.metadata.get("reference") is None or not task.metadata.get("satisfiable", True):
+        return None
+    turns = reference_turns(task.metadata)
+    answer = reference_answer(task.metadata)
+    if len(turns) + (answer is not None) > max_turns:
+        return None
+    tools = offered_tools(env, task)
+    played: list[tuple[list[dict[str, Any]], list[str]]] = []
+    told = None
+    for i, turn in enumerate(turns):
+        played.append(([dict(c) for c in turn], [observe(env, c, max_observation_chars) for c in turn]))
+        if env.done or (i == len(turns) - 1 and answer is None):
+            break
+    else:
+        told = answer
+    reward = float(env.reward(told or "").total)
+    return ReferencePlay(task, tools, played, told, reward) if reward_succeeds(reward) else None
 
 
 def task_key(prompt: str, tools: list[dict[str, Any]] | None) -> str:
