@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -805,6 +806,21 @@ def improve(
     rollouts: Annotated[int, typer.Option(help="GRPO rollout budget per expert.")] = 200,
     preset: Annotated[str, typer.Option(help="cpu-small or gpu")] = "cpu-small",
     ray: Annotated[str | None, typer.Option(help="Train on this Ray cluster ('auto' or an address).")] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="Where the experts' GRPO rollouts are generated: embedded (in the training process)"
+            " or vllm (a local vLLM server from .venv-vllm, started and stopped with this command;"
+            " the policy's LoRA is loaded there by name at each step)."
+        ),
+    ] = "embedded",
+    vllm_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Generate the rollouts on a vLLM server someone else runs: the same base model,"
+            " --enable-lora with runtime LoRA updating, on this filesystem."
+        ),
+    ] = None,
     router: Annotated[
         str,
         typer.Option(
@@ -837,6 +853,8 @@ def improve(
     from trace_plugin.recorder import configure
     from trace_plugin.store.lease import LeaseHeld
 
+    if _engine(engine) == "vllm" and vllm_url:
+        raise typer.BadParameter("--engine vllm starts its own vLLM: drop --vllm-url", param_hint="--engine")
     try:  # the config checks the settings and loads the target: its errors, as the option's
         config = ImproverConfig(
             agent=agent,
@@ -847,7 +865,7 @@ def improve(
             target_tasks=target_tasks,
             min_new_episodes=min_new_episodes,
             preset=preset,
-            training={"rollout_budget": rollouts},
+            training={"rollout_budget": rollouts, **_rollout_server(vllm_url)},
             router=router,
             canary=canary,
             canary_deadline=canary_deadline,
@@ -859,8 +877,11 @@ def improve(
         from training.executors import RayExecutor
 
         executor = RayExecutor(None if ray == "auto" else ray)
-    improver = Improver(_store(db), config, executor=executor, recorder=configure(db), console=console)
+    rollout_server = _start_rollout_vllm(config.model) if engine == "vllm" else None
+    if rollout_server is not None:
+        config.training = replace(config.training, **_rollout_server(rollout_server.url))
     try:
+        improver = Improver(_store(db), config, executor=executor, recorder=configure(db), console=console)
         if watch:
             improver.watch()
         else:
@@ -871,3 +892,25 @@ def improve(
     except LeaseHeld as exc:
         console.print(f"[red]{exc}: another improver is running for {agent!r}[/]")
         raise typer.Exit(3) from None
+    finally:
+        if rollout_server is not None:
+            rollout_server.stop()
+
+
+def _rollout_server(url: str | None) -> dict[str, Any]:
+    """Training settings that generate GRPO's rollouts on the vLLM server at ``url``, if any."""
+    return {"backend": "vllm-server", "vllm_url": url} if url else {}
+
+
+def _start_rollout_vllm(model: str | None) -> Any:
+    """A local vLLM server generating rollouts for ``model``, healthy; its log under the data
+    directory."""
+    from trace_plugin.gateway.vllm_server import VLLMServer, VLLMStartError
+    from trace_plugin.model_files import resolve_model
+
+    model_dir, log_path = resolve_model(model), data_dir() / "logs" / "vllm-rollouts.log"
+    with console.status(f"starting vLLM for rollouts (about 2 minutes on 2 cores; log: {log_path})…"):
+        try:
+            return VLLMServer(model_dir, served_name=model_dir.name, log_path=log_path).start()
+        except VLLMStartError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--engine") from None
