@@ -4,7 +4,6 @@ and real GRPO runs of SmolLM2 that produce adapters only when complete."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 from contextlib import nullcontext
@@ -13,10 +12,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from envs import EchoEnv, ScoredEchoEnv
 from transformers import AutoTokenizer, TrainerCallback
 
 from trace_plugin.chat_template import render
-from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall
+from trace_plugin.environments.base import Task
 from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
 from trace_plugin.generation import TemperatureSampler, folded, shared_prefix_length
 from trace_plugin.model_files import prepare_tokenizer, resolve_model
@@ -24,42 +24,6 @@ from training.config import ExpertTrainingConfig
 from training.episodes import EpisodePlayer, hf_generate
 from training.experts import ExpertTrainer, RolloutFunction, evaluate, file_sha256, weights_sha256
 from training.lora import ADAPTER_WEIGHTS, is_noop, random_adapter
-
-
-class EchoEnv:
-    """A minimal environment of the protocol: echo the seed back, then tell the user."""
-
-    tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": "echo",
-                "parameters": {"type": "object", "properties": {"text": {"type": "string"}}},
-            },
-        }
-    ]
-    system_prompt = "Echo the number, then say it."
-
-    def __init__(self) -> None:
-        self.seed, self.calls, self._done = 0, [], False
-
-    def reset(self, seed: int) -> Task:
-        self.seed, self.calls, self._done = seed, [], False
-        return Task(seed, f"My number is {seed}.", "echo", {"answer": f"number {seed}"})
-
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    def step(self, call: ToolCall) -> str:
-        self.calls.append(call)
-        if call.name != "echo":
-            return json.dumps({"error": f"unknown tool {call.name!r}"})
-        return json.dumps({"echo": call.arguments.get("text", "")})
-
-    def reward(self, answer: str = "") -> RewardBreakdown:
-        echoed = any(c.arguments.get("text") == str(self.seed) for c in self.calls)
-        return RewardBreakdown(float(echoed and str(self.seed) in answer))
 
 
 @pytest.fixture(scope="module")
@@ -439,13 +403,6 @@ def test_evaluate_plays_greedy_episodes_with_the_adapter(retail_expert):
     assert sorted(scores.rewards) == seeds
     assert 0.0 <= scores.success_rate <= scores.mean_reward <= 1.0
     assert scores == evaluate(None, result.adapter_dir, RetailEnv, seeds, config=config)  # greedy: repeatable
-
-
-class ScoredEchoEnv(EchoEnv):
-    """EchoEnv graded by a deterministic score that tells any two answers apart: every group has signal."""
-
-    def reward(self, answer: str = "") -> RewardBreakdown:
-        return RewardBreakdown(int(hashlib.sha256(answer.encode()).hexdigest(), 16) % 1000 / 1000)
 
 
 @pytest.mark.slow

@@ -8,14 +8,11 @@ shows the gap a bf16 deployment has.
 
 from __future__ import annotations
 
-import hashlib
-
 import httpx
 import pytest
 from conftest import vllm_or_skip
+from envs import ScoredEchoEnv
 
-from trace_plugin.environments.base import RewardBreakdown
-from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
 from trace_plugin.model_files import load_model, resolve_model
 from training.config import ExpertTrainingConfig
 from training.experts import ExpertTrainer
@@ -79,13 +76,6 @@ def test_sampled_log_probabilities_stay_within_a_bound_of_trainings(bf16_vllm, r
     assert gaps["bf16 base"] < gaps["bf16"] < 0.2, gaps
 
 
-class Scored(RetailEnv):
-    """A reward that differs between any two replies: every group carries signal."""
-
-    def reward(self, answer: str = "") -> RewardBreakdown:
-        return RewardBreakdown(int(hashlib.sha256(answer.encode()).hexdigest(), 16) % 1000 / 1000)
-
-
 def test_grpo_trains_on_rollouts_vllm_generated_with_the_policy_loaded_under_a_fresh_name(
     bf16_vllm, tmp_path, monkeypatch
 ):
@@ -109,7 +99,7 @@ def test_grpo_trains_on_rollouts_vllm_generated_with_the_policy_loaded_under_a_f
         checkpoint_every=1000,
         output_dir=str(tmp_path / "expert"),
     )
-    result = ExpertTrainer(config, Scored, list(TRAIN_SEEDS)[:8], progress=False).train()
+    result = ExpertTrainer(config, ScoredEchoEnv, [1, 2, 3], progress=False).train()
     assert result.steps == 2 and len(result.reward_curve) == 2
     assert len(loaded) == 2 and len(set(loaded)) == 2  # one fresh name per rollout call
     listed = {m["id"] for m in httpx.get(f"{bf16_vllm.url}/v1/models", timeout=30).json()["data"]}
