@@ -280,7 +280,12 @@ def test_the_improver_page_shows_cycles_experts_and_deployments(db_url: str, tmp
     assert '<span class="badge failure">rejected</span>' in deployments[cycles[2]]
     canary = deployments[cycles[3]]
     assert '<span class="badge unknown">canary</span>' in canary
-    assert "3 of 12 routed episodes (25%) since it went out" in canary
+    assert "3 of 12 routed episodes (25%) since it went out, sent 25%" in canary
+    # What the page reads: each canary's trial as the improver recorded it, not its reasons' words.
+    trials = {d.id: d.canary for d in improved.store.deployments(AGENT)}
+    assert trials[cycles[0]] == {"share": 0.25, "outcome": "promoted"}
+    assert trials[cycles[1]] == {"share": 0.25, "outcome": "rolled_back"}
+    assert trials[cycles[2]] is None and trials[cycles[3]] == {"share": 0.25}
     for cycle, before_after in zip(cycles, ("25% → <strong>50%", "50% → <strong>75%", "50% → <strong>25%",
                                             "50% → <strong>100%"), strict=False):  # fmt: skip
         assert before_after in deployments[cycle] and "(4 tasks)" in deployments[cycle], cycle

@@ -27,7 +27,6 @@ from trace_plugin.records.router_spec import RouterSpecError, parse_router_spec,
 from trace_plugin.store import Store
 
 MAX_CYCLES = 50  # the newest shown; the job table keeps them all
-PROMOTED = "promoted: "  # how the monitor's reason for a canary it promoted reads
 ENDED = ("superseded", "rolled_back")  # took traffic, and no longer does
 MS = timedelta(milliseconds=1)  # a datetime-local field holds milliseconds at most
 
@@ -124,6 +123,7 @@ class DeploymentView:
     deployment: Deployment
     version: str  # the router version stamped on every episode it served
     promoted: bool  # went out as a canary and was promoted
+    sent: float | None  # a canary's share of the traffic, as configured
     served: int | None  # the agent's episodes its router served while it was out; None: never out
     episodes: str | None  # the episode list of those
     share: tuple[int, int] | None  # a canary's: its episodes and all routed ones since it went out
@@ -185,7 +185,7 @@ def _environment(
     )
 
 
-def cycles(store: Store, engine: Engine, agent: str) -> list[Cycle]:
+def cycles(store: Store, agent: str) -> list[Cycle]:
     """The agent's improver cycles, newest first: one per ``cycle`` job, filled in from the
     jobs of its stages and the records they name."""
     jobs: dict[str, list[Job]] = {}
@@ -193,7 +193,6 @@ def cycles(store: Store, engine: Engine, agent: str) -> list[Cycle]:
         jobs.setdefault(job.cycle, []).append(job)
     heads = [j for js in jobs.values() for j in js if j.stage == "cycle"]
     heads.sort(key=lambda j: (j.started_at, j.cycle), reverse=True)
-    runs = q.mining_runs(engine, agent)
     experts = {e.id: e for e in store.experts(agent)}
     specs = {(r.spec.name, r.version): r for r in store.env_specs(agent)}  # each parsed once
     found = []
@@ -208,7 +207,7 @@ def cycles(store: Store, engine: Engine, agent: str) -> list[Cycle]:
                 continue
             out = job.outputs
             if job.stage == "mine":
-                cycle.mined = _mined(store, agent, job, runs, out)
+                cycle.mined = _mined(store, agent, out)
             elif job.stage == "synthesize":
                 cycle.environments.append(_environment(specs, job.key, out))
             elif job.stage == "train":
@@ -235,14 +234,11 @@ def cycles(store: Store, engine: Engine, agent: str) -> list[Cycle]:
     return found
 
 
-def _mined(
-    store: Store, agent: str, job: Job, runs: list[q.MiningRun], out: dict[str, Any]
-) -> list[MinedCapability]:
-    """The selected capabilities, with coverage and contrast from the mining pass that ran
-    inside the job (the job names none): a pass whose last row was written while it ran."""
-    end = job.ended_at or job.started_at
-    run = next((r.id for r in runs if job.started_at <= r.mined_at <= end), None)
-    metrics = {c.name: c.metrics for c in store.capabilities(agent, run)} if run else {}
+def _mined(store: Store, agent: str, out: dict[str, Any]) -> list[MinedCapability]:
+    """The selected capabilities, with coverage and contrast from the mining pass the job
+    names (a job from before it named one shows them as missing)."""
+    run = out.get("mining_run")
+    metrics = {c.name: c.metrics for c in store.capabilities(agent, run)} if isinstance(run, str) else {}
     covered = set(_strings(out.get("covered")))
     return [
         MinedCapability(
@@ -307,7 +303,8 @@ def deployments(store: Store, engine: Engine, agent: str) -> list[DeploymentView
             DeploymentView(
                 d,
                 version,
-                any(PROMOTED in reason for reason in d.reasons),
+                (d.canary or {}).get("outcome") == "promoted",
+                (d.canary or {}).get("share"),
                 served,
                 episodes,
                 share,

@@ -107,6 +107,7 @@ def judge_canary(improver: Improver, trial: Deployment) -> Deployment | None:
         )
     asyncio.run(improver.gateway.set_router(trial.router))
     trial.reasons = [*trial.reasons, f"{at_deadline}promoted: {figures}"]
+    trial.end_trial("promoted")
     store.make_live(trial)  # one transaction: the live one before is superseded
     improver.console.log(f"[green]promoted canary {trial.id}[/]: {trial.reasons[-1]}")
     return trial
@@ -117,6 +118,7 @@ def _roll_back_canary(improver: Improver, trial: Deployment, reason: str) -> Dep
     live = improver.live()
     asyncio.run(improver.gateway.set_router(live.router if live else StaticSpec().to_dict()))
     trial.status, trial.reasons = "rolled_back", [*trial.reasons, reason]
+    trial.end_trial("rolled_back")
     improver.store.save_deployment(trial)
     improver.console.log(f"[red]rolled back canary {trial.id}[/]: {reason}")
     return live

@@ -56,6 +56,7 @@ class Mined(Output):
     selected: list[str]
     covered: list[str]
     train: list[str]
+    mining_run: str | None = field(default=None, metadata=OMIT_NONE)  # the pass whose rows it read
 
 
 @dataclass(frozen=True)

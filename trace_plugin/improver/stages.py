@@ -60,7 +60,8 @@ def mine(improver: Improver) -> Mined:
     train = [c for c in selected if c not in covered]
     most = improver.config.max_experts
     improver.console.log(f"selected {selected or 'nothing'}; training up to {most} of {train or 'nothing'}")
-    return Mined(selected=selected, covered=sorted(covered), train=train)
+    run = capabilities[0].mining_run if capabilities else None
+    return Mined(selected=selected, covered=sorted(covered), train=train, mining_run=run)
 
 
 async def synthesize(improver: Improver, capability: str) -> Synthesized:
@@ -304,7 +305,7 @@ async def deploy(improver: Improver, deployment: Deployment) -> Deployed:
         improver.store.make_live(deployment)
         improver.console.log(f"[green]deployed {deployment.id}[/]: {deployment.adapters}")
     else:
-        deployment.status = "canary"
+        deployment.status, deployment.canary = "canary", {"share": share}
         improver.store.save_deployment(deployment)
         improver.console.log(
             f"[green]canary {deployment.id}[/] on {share:.0%} of the traffic: {deployment.adapters}"
@@ -325,6 +326,7 @@ async def restore(improver: Improver) -> Deployment | None:
     live, trial, share = improver.live(), improver.canary(), improver.config.canary
     if trial is not None and share is None:  # this improver runs no canaries: end the trial
         trial.status, trial.reasons = "rolled_back", [*trial.reasons, "restored without a canary share"]
+        trial.end_trial("rolled_back")
         improver.store.save_deployment(trial)
         trial = None
     if live is None and trial is None:

@@ -199,6 +199,7 @@ deployments = Table(
     Column("router", Json, nullable=False),  # the router spec the gateway runs
     Column("evaluation", Json, nullable=False),  # what the deploy verdict compared
     Column("reasons", Json, nullable=False),  # why it was rejected or rolled back
+    Column("canary", Json),  # a canary's trial: its share of the traffic, how it ended
     Column("created_at", Timestamp, nullable=False),
     Column("updated_at", Timestamp, nullable=False),
     Index("ix_deployments_agent_created", "agent", "created_at"),
