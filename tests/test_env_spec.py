@@ -354,9 +354,13 @@ def test_a_read_tool_that_needs_more_than_its_key_is_not_bound_as_a_lookup():
 # -- storage -------------------------------------------------------------------------------
 
 
-def test_an_expert_learned_without_hints_only_if_its_unhinted_reward_rose_as_a_trend():
+def test_an_expert_acts_without_hints_if_its_unhinted_reward_rose_as_a_trend_or_was_at_the_top():
     def expert(curve):
         return Expert("a", "c", "c-env", 1, "m", "", {}, unhinted_curve=curve)
+
+    assert expert([1.0, 1.0, 1.0, 1.0, 1.0, 1.0]).learned_unhinted  # the warm start taught it
+    assert expert([1.0, 1.0, 1.0, 1.0, 0.75, 1.0]).learned_unhinted
+    assert not expert([1.0, 1.0, 1.0, 0.5, 0.75, 0.75]).learned_unhinted  # it fell
 
     assert expert([None, 0.0, 0.0, 0.25, 0.25]).learned_unhinted
     assert expert([0.1, 0.0, None, 0.2, 0.1, 0.3]).learned_unhinted

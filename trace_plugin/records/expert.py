@@ -14,6 +14,8 @@ from typing import Any, Literal
 from trace_plugin.records.router_spec import CorpusEntry
 from trace_plugin.records.trajectory import new_id, utcnow
 
+ACTS_ALONE = 0.9  # an un-hinted reward this high on average already acts without hints
+
 ExpertStatus = Literal["training", "ready", "failed"]
 
 
@@ -40,13 +42,16 @@ class Expert:
 
     @property
     def learned_unhinted(self) -> bool:
-        """Whether its un-hinted reward rose as a trend: the later half of its steps averages
-        more than the earlier half, over at least four steps. One lucky rollout (four a step)
-        is not learning; if it never rose, hinted rollouts and demonstrations carried its
+        """Whether it acts without hints: over at least four steps, its un-hinted reward rose
+        as a trend (the later half of its steps averages more than the earlier half), or it
+        was near the top all along (the later half averages ``ACTS_ALONE`` or more: the warm
+        start taught it, and a reward at the top cannot rise). One lucky rollout (four a
+        step) is not learning; otherwise hinted rollouts and demonstrations carried its
         reward, and it may have learned nothing it can do alone, whatever it scores elsewhere."""
         values = [v for v in self.unhinted_curve if v is not None]
         half = len(values) // 2
-        return len(values) >= 4 and sum(values[-half:]) > sum(values[:half])
+        later, earlier = sum(values[-half:]), sum(values[:half])
+        return len(values) >= 4 and (later > earlier or later >= ACTS_ALONE * half)
 
     @property
     def adapter_name(self) -> str:
