@@ -219,12 +219,13 @@ def main() -> None:
             report = cycle_report(store, cycle_id, sum(traffic) / len(traffic), after)
             deployment = _deployment(store, cycle_id)
             # What the cycle composed, on the reported test tasks (the gate decided on others),
-            # whether or not it passed the gate.
-            candidate = (
-                success(serve(deployment.router, f"candidate-{n}", deployment.adapters.values()))
-                if deployment is not None
-                else None
-            )
+            # whether or not it passed the gate; made live, it is what was just measured.
+            if deployment is None:
+                candidate = None
+            elif report.deployed:
+                candidate = live
+            else:
+                candidate = success(serve(deployment.router, f"candidate-{n}", deployment.adapters.values()))
             rollouts = sum(e.config["rollout_budget"] for e in store.experts(AGENT, status="ready"))
             return {"report": asdict(report), "candidate": candidate, "live": live, "rollouts": rollouts}
 
