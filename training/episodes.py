@@ -105,7 +105,7 @@ class EpisodePlayer:
                 if not (stopped and parsed.tool_calls):
                     rollout.answer = parsed.content or ""
                     continue
-                observations = [self._observe(env, call) for call in parsed.tool_calls]
+                observations = [observe(env, call, self.max_observation_chars) for call in parsed.tool_calls]
                 if env.done or turn == self.max_turns:
                     continue  # ended by the environment, or out of turns: no final message
                 self._append(rollout, self._tool_suffix(observations), 0)
@@ -163,9 +163,6 @@ class EpisodePlayer:
         messages = [{"role": "system", "content": env.system_prompt}, *self.examples, *turns]
         text = render(self.tokenizer, [*messages, {"role": "user", "content": user}], tools)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def _observe(self, env: Environment, call: dict[str, Any]) -> str:
-        return observe(env, call, self.max_observation_chars)
 
     def _tool_suffix(self, observations: list[str]) -> list[int]:
         """The template's tokens between an assistant turn's EOS and the next assistant turn."""

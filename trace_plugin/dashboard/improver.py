@@ -283,7 +283,7 @@ def deployments(store: Store, engine: Engine, agent: str) -> list[DeploymentView
     from when it was recorded until it ended (when it was last updated)."""
     found = []
     for d in reversed(store.deployments(agent)):
-        version = router_version(d.router)
+        version, trial = router_version(d.router), d.canary or {}
         served, episodes, share = None, None, None
         if d.status != "rejected":
             # To the millisecond a field holds; the end is exclusive, so the next one.
@@ -303,8 +303,8 @@ def deployments(store: Store, engine: Engine, agent: str) -> list[DeploymentView
             DeploymentView(
                 d,
                 version,
-                (d.canary or {}).get("outcome") == "promoted",
-                (d.canary or {}).get("share"),
+                trial.get("outcome") == "promoted",
+                trial.get("share"),
                 served,
                 episodes,
                 share,
