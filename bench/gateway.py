@@ -425,7 +425,7 @@ def continuous_batching_seconds(backend: EmbeddedBackend, rounds: int, longest: 
             group = slice(first, first + backend.max_batch)
             new = max(lengths[group])
             with torch.inference_mode():
-                out, width = generate_batch(
+                out, width, _ = generate_batch(
                     backend.model, rows[group], backend.tokenizer.pad_token_id,
                     max_new_tokens=new, min_new_tokens=new, **greedy,
                 )  # fmt: skip

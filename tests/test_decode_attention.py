@@ -32,7 +32,7 @@ def test_decode_steps_attend_as_sdpa_does_across_a_left_padded_batch():
 
     def greedy() -> tuple:
         with torch.inference_mode():
-            out, width = generate_batch(
+            out, width, _ = generate_batch(
                 model,
                 rows,
                 tokenizer.pad_token_id,

@@ -526,6 +526,65 @@ def test_generating_on_the_shared_prefix_changes_no_token(tmp_path, tokenizer):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_conversations_next_turn_runs_on_its_kept_keys_and_values_and_changes_no_token(tmp_path, tokenizer):
+    """Rollouts keep each row's keys and values across turns (float32: bf16 with other
+    batch shapes already changes tokens). The next turn's tokens equal a full recompute's,
+    and so do its logits, though rows continue from kept prefixes of different lengths."""
+    import torch
+    from peft import PeftModel
+
+    from trace_plugin.generation import generate_batch, row_layers, stacked
+    from trace_plugin.model_files import load_model
+
+    base, _ = load_model(resolve_model(), precision="float32")
+    random_adapter(resolve_model(), tmp_path / "lora", seed=3, scale=4.0)
+    model = PeftModel.from_pretrained(base, str(tmp_path / "lora")).eval()
+    player = EpisodePlayer(tokenizer, RetailEnv, max_turns=2, max_observation_chars=800)
+    tickets = [
+        player._prompt_ids(RetailEnv(), RetailEnv.tools, RetailEnv().reset(seed).prompt)
+        for seed in (10_000, 10_001, 10_002)
+    ]
+    results = ['"not found"', '{"order_id": "#W1", "status": "pending"}', '"ok"']
+
+    def later(i: int) -> list[int]:
+        return tokenizer(
+            f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{results[i]}\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n",
+            add_special_tokens=False,
+        ).input_ids
+
+    kept = hf_generate(model, tokenizer, max_new_tokens=12, temperature=None)
+    first = kept(tickets)
+    second = [ticket + reply + later(i) for i, (ticket, reply) in enumerate(zip(tickets, first, strict=True))]
+    assert kept(second) == hf_generate(
+        model, tokenizer, max_new_tokens=12, temperature=None, keep_turns=False
+    )(second)
+    # Every row ran from its own kept turn: all of its previous prompt and reply but the last token.
+    assert kept.reused == sum(len(t) + len(r) - 1 for t, r in zip(tickets, first, strict=True))
+    assert len(set(map(len, first))) > 1 or len(set(map(len, tickets))) > 1  # the kept prefixes differ
+
+    # The logits too, at the generation core: rows continuing from their kept keys and values
+    # against the same rows run whole.
+    def run(rows: list[list[int]], skip: Any = 0, cache: Any = None) -> tuple[Any, Any]:
+        with torch.no_grad():
+            out, width, decoded = generate_batch(
+                model, rows, tokenizer.pad_token_id, skip=skip, cache=cache, max_new_tokens=6,
+                do_sample=False, temperature=None, top_p=None, top_k=None,
+                return_dict_in_generate=True, output_logits=True,
+            )  # fmt: skip
+        return out, width, decoded
+
+    out, width, decoded = run(tickets)
+    prefixes = [row_layers(decoded, i, range(width - len(t), width - 1)) for i, t in enumerate(tickets)]
+    again = [t + later(i) for i, t in enumerate(tickets)]
+    whole, whole_width, _ = run(again)
+    reused, reused_width, _ = run(again, [len(t) - 1 for t in tickets], stacked(prefixes))
+    assert torch.equal(whole.sequences[:, whole_width:], reused.sequences[:, reused_width:])
+    assert (torch.stack(whole.logits) - torch.stack(reused.logits)).abs().max() < 1e-3
+
+
+@pytest.mark.slow
 def test_the_shared_prompt_loss_pass_equals_trls_in_values_and_gradients():
     """Two groups of three rollouts and a dropped group's stubs, left-padded as TRL pads them:
     running each prompt once gives the log-probs, entropies and LoRA gradients of TRL's pass."""

@@ -13,7 +13,8 @@ every row continues from its keys and values:
 - :func:`generate_batch`: ``model.generate`` over the rows' remaining tokens, left-padded
   after their cached prefixes, which may differ in length (:func:`continuation_batch`),
   into a preallocated cache (:func:`preallocated`): a batch that starts and ends together
-  (a rollout group);
+  (a rollout group); the rows' cached prefixes may be their own (:func:`stacked`), such as
+  each conversation's keys and values from its previous turn (:func:`row_layers`);
 - :class:`SlotCache`: the cache of a batch that rows join and leave while it decodes (the
   gateway's continuous batching);
 - :class:`TemperatureSampler`: plain temperature sampling for ``generate``, cheaper
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 Ids = tuple[int, ...]
 # A cache's keys and values, per layer: what a prefix's entry holds.
@@ -121,9 +122,37 @@ def preallocated(model: Any, prefix: Any, length: int) -> Any:
 
     cache = StaticCache(config=model.config, max_cache_len=length)
     if prefix is not None:
-        for layer, (keys, values) in enumerate(layers(prefix)):
+        for layer, (keys, values) in enumerate(prefix if isinstance(prefix, list) else layers(prefix)):
             cache.update(keys, values, layer)
     return cache
+
+
+def stacked(rows: Sequence[Layers | None]) -> Layers:
+    """Rows' own prefixes' keys and values (one row each, of any lengths; None: nothing
+    cached) as one batch's cache, each row from position 0 and zero-padded to the longest:
+    the layout :func:`continuation_batch` runs on, with per-row skips."""
+    template = next(row for row in rows if row is not None)
+    longest = max(row[0][0].shape[2] for row in rows if row is not None)
+    stacked_layers: Layers = []
+    for layer, (keys, values) in enumerate(template):
+        shape = (len(rows), keys.shape[1], longest, keys.shape[3])
+        k, v = keys.new_zeros(shape), values.new_zeros(shape)
+        for i, row in enumerate(rows):
+            if row is not None:
+                length = row[layer][0].shape[2]
+                k[i, :, :length], v[i, :, :length] = row[layer][0][0], row[layer][1][0]
+        stacked_layers.append((k, v))
+    return stacked_layers
+
+
+def row_layers(cache: Any, row: int, positions: Sequence[int]) -> Layers:
+    """Row ``row``'s keys and values at ``positions`` of a batch's cache, as one row of its own."""
+    import torch
+
+    index = torch.tensor(positions, device=cache.layers[0].keys.device)
+    return [
+        (layer.keys[row : row + 1, :, index], layer.values[row : row + 1, :, index]) for layer in cache.layers
+    ]
 
 
 class SlotCache:
@@ -253,6 +282,16 @@ def draw(probs: Any, generator: Any = None) -> Any:
     return torch.where(token < probs.size(-1), token, probs.argmax(-1, keepdim=True))
 
 
+class Generated(NamedTuple):
+    """What :func:`generate_batch` ran: ``generate``'s output, the input's width (each row's
+    new tokens start there) and the cache it decoded into (every row's keys and values,
+    laid out as :func:`continuation_batch` laid out the input)."""
+
+    out: Any
+    width: int
+    cache: Any
+
+
 def generate_batch(
     model: Any,
     rows: Sequence[Sequence[int]],
@@ -261,26 +300,25 @@ def generate_batch(
     skip: int | Sequence[int] = 0,
     cache: Any = None,
     **generate_kwargs: Any,
-) -> tuple[Any, int]:
+) -> Generated:
     """``model.generate`` over ``rows``, their first ``skip`` tokens (one count for every
-    row, or one per row) already in ``cache``.
+    row, or one per row) already in ``cache`` (a transformers cache, or :class:`Layers`).
 
-    Returns what ``generate`` returned and the width of the input: each row's new tokens
-    start there. ``generate_kwargs`` are ``generate``'s (sampling, stopping, adapters), and
-    name ``max_new_tokens`` (or a ``generation_config`` that does): the cache is sized by it.
+    ``generate_kwargs`` are ``generate``'s (sampling, stopping, adapters), and name
+    ``max_new_tokens`` (or a ``generation_config`` that does): the cache is sized by it.
     """
     import torch
 
     skips = [skip] * len(rows) if isinstance(skip, int) else skip
     ids, mask = continuation_batch(rows, skips, pad)
     new = generate_kwargs.get("max_new_tokens") or generate_kwargs["generation_config"].max_new_tokens
-    generate_kwargs["cache"] = preallocated(model, cache, len(ids[0]) + new)
+    generate_kwargs["cache"] = static = preallocated(model, cache, len(ids[0]) + new)
     out = model.generate(
         input_ids=torch.tensor(ids, device=model.device),
         attention_mask=torch.tensor(mask, device=model.device),
         **generate_kwargs,
     )
-    return out, len(ids[0])
+    return Generated(out, len(ids[0]), static)
 
 
 class Fold:

@@ -17,7 +17,15 @@ from transformers import GenerationConfig, LogitsProcessorList
 
 from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE, assistant_text, forbidden_token_ids, render
 from trace_plugin.environments.base import Environment, observe, offered_tools, play_reference
-from trace_plugin.generation import TemperatureSampler, generate_batch, shared_prefix, until_eos
+from trace_plugin.generation import (
+    Layers,
+    TemperatureSampler,
+    generate_batch,
+    row_layers,
+    shared_prefix,
+    stacked,
+    until_eos,
+)
 from trace_plugin.tool_calls import parse_completion
 
 # Text appended to the ticket, or worked example turns placed just before it (a small
@@ -191,6 +199,7 @@ def hf_generate(
     temperature: float | None,
     batch_size: int = 64,
     share_prefix: bool = True,
+    keep_turns: bool = True,
 ) -> Generate:
     """A transformers backend: left-padded batches; ``temperature=None`` decodes greedily.
 
@@ -199,6 +208,13 @@ def hf_generate(
     ``share_prefix`` the common opening runs once and every row continues from its keys
     and values (:func:`trace_plugin.generation.shared_prefix`), on the generation core the
     gateway's embedded backend serves requests with.
+
+    With ``keep_turns`` each row's keys and values outlive the call that made them: a
+    conversation's next turn is its previous prompt, the reply and a tool result, so the
+    next call runs only the reply's last token and the tool result instead of the whole
+    history again (a 1,400-token history costs about 2.3 s here). Only the previous call's
+    rows are kept, so the memory held is one conversation per row. The model must not
+    change between calls: one backend per policy (one ``rollout_func`` call).
     """
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -208,14 +224,31 @@ def hf_generate(
         do_sample=False,  # sampling, if any, is TemperatureSampler's
     )
     sampler = LogitsProcessorList([TemperatureSampler(temperature)] if temperature is not None else [])
+    eos = tokenizer.eos_token_id
+    held: dict[tuple[int, ...], Layers] = {}  # a row's tokens so far (less the last) -> their keys and values
+
+    def earlier(row: list[int]) -> tuple[int, Layers | None]:
+        """The longest held conversation ``row`` continues, leaving it a token to run."""
+        best = max(
+            (ids for ids in held if len(ids) < len(row) and row[: len(ids)] == list(ids)), key=len, default=()
+        )
+        return (len(best), held[best]) if best else (0, None)
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
         out: list[list[int]] = []
+        kept: dict[tuple[int, ...], Layers] = {}
         for start in range(0, len(prompts), batch_size):
             chunk = prompts[start : start + batch_size]
             with torch.no_grad():
-                skip, cache = shared_prefix(model, chunk) if share_prefix else (0, None)
-                result, width = generate_batch(
+                found = [earlier(row) for row in chunk] if keep_turns else []
+                if any(kv is not None for _, kv in found):
+                    skip, cache = [n for n, _ in found], stacked([kv for _, kv in found])
+                    generate.reused += sum(skip)  # type: ignore[attr-defined]
+                elif share_prefix:
+                    skip, cache = shared_prefix(model, chunk)
+                else:
+                    skip, cache = 0, None
+                result, width, decoded = generate_batch(
                     model,
                     chunk,
                     tokenizer.pad_token_id,
@@ -224,7 +257,20 @@ def hf_generate(
                     generation_config=config,
                     logits_processor=sampler,
                 )
-            out += [until_eos(row[width:].tolist(), tokenizer.eos_token_id) for row in result]
+            replies = [until_eos(row[width:].tolist(), eos) for row in result]
+            if keep_turns:
+                skips = skip if isinstance(skip, list) else [skip] * len(chunk)
+                for i, (row, reply, cached) in enumerate(zip(chunk, replies, skips, strict=True)):
+                    positions = [
+                        *range(cached),
+                        *range(width - (len(row) - cached), width),
+                        *range(width, width + len(reply) - 1),  # the last token was never run
+                    ]
+                    kept[(*row, *reply[:-1])] = row_layers(decoded, i, positions)
+            out += replies
+        held.clear()
+        held.update(kept)
         return out
 
+    generate.reused = 0  # type: ignore[attr-defined]  # prompt tokens run from a kept turn, not again
     return generate
