@@ -16,7 +16,7 @@ from envs import EchoEnv, ScoredEchoEnv
 from transformers import AutoTokenizer, TrainerCallback
 
 from trace_plugin.chat_template import render
-from trace_plugin.environments.base import Task
+from trace_plugin.environments.base import RewardBreakdown, Task
 from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
 from trace_plugin.generation import TemperatureSampler, folded, shared_prefix_length
 from trace_plugin.model_files import prepare_tokenizer, resolve_model
@@ -173,7 +173,7 @@ def test_rollouts_resample_flat_groups_then_drop_them(tokenizer):
     rollouts = RolloutFunction(
         config, player, seeds=[1, 2, 3, 5, 7], hint=hint, generate=lambda trainer: nullcontext(policy)
     )
-    trainer = SimpleNamespace(state=SimpleNamespace(global_step=0))
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=0, log_history=[]))
 
     out = rollouts([json.dumps({"seed": 2})] * 2 + [json.dumps({"seed": 1})] * 2, trainer)
     # Seed 2 has signal (hinted 1, plain 0); seed 1 is flat, replayed on an odd seed, still flat, dropped.
@@ -190,6 +190,46 @@ def test_rollouts_resample_flat_groups_then_drop_them(tokenizer):
     assert logged["dynamic_sampling/resampled_groups"] == 1
     assert logged["dynamic_sampling/dropped_groups"] == 1
     assert logged["episodes/hinted_fraction"] == 0.25 and logged["episodes/unhinted_reward"] == 0.0
+    # Two groups offered, three played: the resampled group was spent too.
+    assert logged["rollouts/offered"] == 4 and logged["rollouts/spent"] == 6
+    assert logged["dynamic_sampling/informative_groups"] == 0.5
+    assert logged["dynamic_sampling/unhinted_informative_groups"] == 0.0  # only the hint made seed 2's signal
+
+
+def test_resampling_stays_within_the_spend_limit(tokenizer):
+    """With 6 rollouts already spent of a limit of 10, a step of two groups of two may replay none."""
+    player = EpisodePlayer(tokenizer, EchoEnv, max_turns=3, max_observation_chars=100)
+    policy = scripted(tokenizer, lambda text: "No.")  # every group flat
+    logged: dict[str, float] = {}
+    for limit, replayed in ((10, 0), (12, 1), (None, 2)):
+        config = ExpertTrainingConfig(
+            num_generations=2, groups_per_step=2, rollout_budget=8, resample_rounds=1, spend_limit=limit
+        )
+        rollouts = RolloutFunction(
+            config, player, [1, 2, 3, 4, 5, 6], None, lambda trainer: nullcontext(policy)
+        )
+        step = SimpleNamespace(state=SimpleNamespace(global_step=1, log_history=[{"rollouts/spent": 6.0}]))
+        out = rollouts([json.dumps({"seed": s}) for s in (1, 1, 2, 2)], step)
+        rollouts.env_reward([""] * 4, out["env_reward"], log_metric=logged.__setitem__)
+        assert logged["dynamic_sampling/resampled_groups"] == replayed
+        assert logged["rollouts/spent"] == 4 + 2 * replayed
+
+
+def test_grpo_stops_after_a_window_of_flat_steps_or_at_its_spend_limit():
+    config = ExpertTrainingConfig(num_generations=2, groups_per_step=2, rollout_budget=40, flat_stop_steps=2)
+    flat = {"rollouts/spent": 4.0, "dynamic_sampling/dropped_groups": 2.0}
+    taught = {"rollouts/spent": 6.0, "dynamic_sampling/dropped_groups": 1.0}
+    assert config.stop_reason([]) is None
+    assert config.stop_reason([taught, flat]) is None  # one flat step is not a window
+    assert config.stop_reason([taught, flat, {"loss": 0.1}, flat]) == "flat"  # other log lines don't count
+    assert config.stop_reason([flat, taught]) is None
+    assert dataclasses.replace(config, flat_stop_steps=0).stop_reason([flat] * 9) is None
+    limited = dataclasses.replace(config, spend_limit=16)
+    assert limited.stop_reason([taught, taught]) is None  # 12 spent: a step of 4 still fits in 16
+    assert limited.stop_reason([taught, taught, taught]) == "spent"
+    assert dataclasses.replace(config, spend_limit=15).stop_reason([taught, taught]) == "spent"
+    with pytest.raises(ValueError, match="spend_limit"):
+        dataclasses.replace(config, spend_limit=3)
 
 
 class ReferencedEchoEnv(EchoEnv):
@@ -207,7 +247,7 @@ def test_a_flat_group_of_failures_gets_a_demonstration_that_no_statistic_counts(
     config = ExpertTrainingConfig(num_generations=2, rollout_budget=4, resample_rounds=0)
     player = EpisodePlayer(tokenizer, ReferencedEchoEnv, max_turns=3, max_observation_chars=100)
     policy = scripted(tokenizer, lambda text: "No.")  # never solves anything
-    trainer = SimpleNamespace(state=SimpleNamespace(global_step=0))
+    trainer = SimpleNamespace(state=SimpleNamespace(global_step=0, log_history=[]))
     logged: dict[str, float] = {}
 
     def step(config: ExpertTrainingConfig) -> dict[str, Any]:
@@ -245,7 +285,7 @@ def test_resampling_finds_signal_on_a_fresh_seed(tokenizer):
     rollouts = RolloutFunction(
         config, player, seeds=[1, 4], hint=hint, generate=lambda trainer: nullcontext(policy)
     )
-    out = rollouts([json.dumps({"seed": 1})] * 2, SimpleNamespace(state=SimpleNamespace(global_step=5)))
+    out = rollouts([json.dumps({"seed": 1})] * 2, SimpleNamespace(state=SimpleNamespace(global_step=5, log_history=[])))
     assert out["env_reward"] == [1.0, 0.0] and 1 in out["env_mask"][0]
     assert "My number is 4." in tokenizer.decode(out["prompt_ids"][0])
 
@@ -267,7 +307,7 @@ def test_a_steps_groups_play_in_one_batch(tokenizer):
         config, player, seeds=[1, 2, 3], hint="Echo it.", generate=lambda trainer: nullcontext(counted)
     )
     seeds = [1, 1, 2, 2, 3, 3]  # as TRL hands them over: each group's prompt num_generations times
-    step = SimpleNamespace(state=SimpleNamespace(global_step=0))
+    step = SimpleNamespace(state=SimpleNamespace(global_step=0, log_history=[]))
     out = rollouts([json.dumps({"seed": s}) for s in seeds], step)
     # One generate call per turn for all three groups: six calls or answers, then the three hinted answers.
     assert batches == [6, 3]
@@ -414,6 +454,30 @@ def test_rewards_with_signal_move_the_adapter(tmp_path):
     [log] = result.logs
     assert log["dynamic_sampling/zero_signal_groups"] == 0 and log["episodes/hinted_fraction"] == 0.5
     assert not is_noop(result.adapter_dir)  # a gradient reached the adapter
+
+
+class FailingEchoEnv(EchoEnv):
+    """No answer ever succeeds: every group is flat."""
+
+    def reward(self, answer: str = "") -> RewardBreakdown:
+        return RewardBreakdown(0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_grpo_stops_when_its_groups_stay_flat_and_a_resumed_run_stops_there_too(tmp_path):
+    """Six steps offered; every group flat, so the run stops after two (the window) and saves
+    there. Killed at that save, the re-run publishes that checkpoint instead of training on."""
+    config = ExpertTrainingConfig(
+        output_dir=str(tmp_path / "flat"),
+        **{**TINY, "rollout_budget": 12, "flat_stop_steps": 2, "checkpoint_every": 10, "warm_start_plays": 0},
+    )
+    with pytest.raises(Interrupted):
+        ExpertTrainer(config, FailingEchoEnv, [1, 2, 3], callbacks=[InterruptAfterCheckpoint(2)]).train()
+    result = ExpertTrainer(config, FailingEchoEnv, [1, 2, 3], progress=False).train()
+    assert result.steps == 2 and result.stopped == "flat" and result.resumed_from_step == 2
+    assert result.rollouts_spent == 4 and len(result.logs) == 2  # two steps of one group of two
+    assert result.informative_group_frac == 0.0
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ so it must load without the ML stack; TRL's and PEFT's objects are built from it
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -39,6 +40,14 @@ class ExpertTrainingConfig:
     temperature: float = 1.0
     hint_fraction: float = 0.25  # share of rollouts generated with the hint (when a hint is given)
     resample_rounds: int = 1  # replays of zero-signal groups on fresh seeds, per step
+    # GRPO stops once this many steps in a row had every group flat after resampling
+    # (prime-rl drops such groups; a run of them means the environment no longer teaches
+    # this policy anything; 0: never).
+    flat_stop_steps: int = 3
+    # GRPO stops before a step could take the rollouts actually played (resampled groups
+    # included) past this many, and resamples only within it: for comparisons at equal
+    # rollouts spent, not offered (None: no limit but ``rollout_budget``'s steps).
+    spend_limit: int | None = None
     checkpoint_every: int = 10  # steps between checkpoints a re-run resumes from
     # Rollout counts (each a whole number of steps) at which the adapter is also kept, in
     # ``snapshots/<rollouts>`` of the final directory: a success-against-rollouts curve
@@ -95,6 +104,12 @@ class ExpertTrainingConfig:
             raise ValueError("warm_start_plays must be >= 0, and its epochs and batch size >= 1")
         if (self.backend == "vllm-server") != (self.vllm_url is not None):
             raise ValueError('backend "vllm-server" needs vllm_url, and vllm_url needs that backend')
+        if self.flat_stop_steps < 0:
+            raise ValueError("flat_stop_steps must be >= 0")
+        if self.spend_limit is not None and self.spend_limit < self.rollouts_per_step:
+            raise ValueError(
+                f"spend_limit {self.spend_limit} is less than one step of {self.rollouts_per_step}"
+            )
         if self.share_prompt and self.gradient_checkpointing:
             raise ValueError("share_prompt needs the key/value cache, which gradient checkpointing disables")
 
@@ -131,6 +146,22 @@ class ExpertTrainingConfig:
     @property
     def steps(self) -> int:
         return self.rollout_budget // self.rollouts_per_step
+
+    def stop_reason(self, history: Sequence[dict[str, Any]]) -> str | None:
+        """Why GRPO stops after the steps logged in ``history`` (TRL's log history), or None:
+        "flat" (``flat_stop_steps`` flat steps in a row) or "spent" (no room for another step
+        within ``spend_limit``). A pure function of the logs, which a checkpoint keeps, so a
+        resumed run stops where the killed one would have."""
+        steps = [entry for entry in history if "rollouts/spent" in entry]
+        window = steps[-self.flat_stop_steps :] if self.flat_stop_steps else []
+        if len(window) == self.flat_stop_steps > 0 and all(
+            entry["dynamic_sampling/dropped_groups"] >= self.groups_per_step for entry in window
+        ):
+            return "flat"
+        spent = sum(entry["rollouts/spent"] for entry in steps)
+        if self.spend_limit is not None and spent + self.rollouts_per_step > self.spend_limit:
+            return "spent"
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -121,10 +121,12 @@ class RolloutFunction:
             zero_signal, resampled = len(flat), 0
             used = set(group_seeds)
             fresh = [s for s in self.seeds if s not in used]
+            room = self._resample_room(trainer.state.log_history, len(groups))
             for _ in range(self.config.resample_rounds):
-                if not flat or not fresh:
+                if not flat or not fresh or not room:
                     break
-                retry = flat[: len(fresh)]
+                retry = flat[: min(len(fresh), room)]
+                room -= len(retry)
                 seeds = [fresh.pop(rng.randrange(len(fresh))) for _ in retry]
                 for i, group in zip(retry, self._play_groups(seeds, rng, generate), strict=True):
                     groups[i] = group
@@ -145,7 +147,13 @@ class RolloutFunction:
         rollouts = [r for g in groups for r in g]
         sampled = [r for r in rollouts if not r.demonstration]  # what the policy did, alone
         unhinted = [r.reward for r in sampled if not r.hinted]
+        played = len(group_seeds) + resampled
         self._stats = {
+            "rollouts/offered": len(group_seeds) * size,
+            "rollouts/spent": played * size,  # resampled groups were played too
+            "dynamic_sampling/informative_groups": (len(groups) - len(flat)) / len(groups),
+            "dynamic_sampling/unhinted_informative_groups": sum(_informative_unhinted(g) for g in groups)
+            / len(groups),
             "episodes/reward": sum(r.reward for r in sampled) / len(sampled),
             "episodes/success": sum(reward_succeeds(r.reward) for r in sampled) / len(sampled),
             "episodes/unhinted_reward": sum(unhinted) / len(unhinted) if unhinted else math.nan,
@@ -164,6 +172,17 @@ class RolloutFunction:
             "env_mask": [r.env_mask for r in rollouts],
             "env_reward": [r.reward for r in rollouts],
         }
+
+    def _resample_room(self, history: Sequence[dict[str, Any]], groups: int) -> int:
+        """How many groups this step may replay: within ``spend_limit`` (after this step's
+        own groups and the steps before it, as logged), or as many as asked."""
+        if self.config.spend_limit is None:
+            return groups * self.config.resample_rounds
+        spent = (
+            int(sum(entry.get("rollouts/spent", 0) for entry in history))
+            + groups * self.config.num_generations
+        )
+        return max(0, (self.config.spend_limit - spent) // self.config.num_generations)
 
     def env_reward(
         self, completions: list[Any], env_reward: list[float], log_metric: Any, **_: Any
@@ -218,6 +237,12 @@ class RolloutFunction:
 
 def _flat(group: list[Rollout]) -> bool:
     return len({r.reward for r in group}) == 1
+
+
+def _informative_unhinted(group: list[Rollout]) -> bool:
+    """Whether the group's un-hinted samples hold both a success and a failure: hints can make a group
+    informative while the policy, asked plainly, always does the same."""
+    return len({reward_succeeds(r.reward) for r in group if not r.hinted and not r.demonstration}) > 1
 
 
 # -- the loss pass --------------------------------------------------------------------------------
@@ -332,6 +357,21 @@ class ExpertResult:
     snapshots: list[int] = dataclasses.field(default_factory=list)  # rollout counts kept (``snapshot``)
     reference_plays: int = 0  # warm-start plays trained on before GRPO (apart from the rollouts)
     warm_start_losses: list[float] = dataclasses.field(default_factory=list)
+    # Rollouts played by GRPO, resampled groups included (``rollout_budget`` is what its steps
+    # offer), and why it stopped short of its steps ("flat", "spent"), if it did.
+    rollouts_spent: int = 0
+    stopped: str | None = None
+
+    @property
+    def informative_group_frac(self) -> float | None:
+        """The share of GRPO's groups, over all its steps, that held both a success and a
+        failure of the un-hinted policy (None: no step)."""
+        values = [
+            entry["dynamic_sampling/unhinted_informative_groups"]
+            for entry in self.logs
+            if "dynamic_sampling/unhinted_informative_groups" in entry
+        ]
+        return sum(values) / len(values) if values else None
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
@@ -401,6 +441,11 @@ class ExpertTrainer:
             )
         checkpoint = self._resumable_checkpoint()
         trainer = self._build()
+        if checkpoint is not None and self.config.stop_reason(_logged(checkpoint).log_history):
+            # The killed run had stopped there (the stop saves a checkpoint): publish it as it was.
+            trainer._load_from_checkpoint(str(checkpoint))
+            trainer.state = _logged(checkpoint)
+            return self._publish(trainer, checkpoint)
         bar = _ProgressBar(self.console) if self.progress else None
         if bar is not None:
             trainer.add_callback(bar)
@@ -502,6 +547,7 @@ class ExpertTrainer:
                 callbacks=self.callbacks,
             )
         trainer.remove_callback(PrinterCallback)  # raw log dicts; the progress bar prints a readable line
+        trainer.add_callback(_EarlyStop(config))
         if config.snapshots:
             trainer.add_callback(
                 _Snapshots(self.work_dir / SNAPSHOTS, config.rollouts_per_step, config.snapshots)
@@ -518,6 +564,7 @@ class ExpertTrainer:
             for entry in trainer.state.log_history
             if "reward" in entry
         ]
+        stopped = self.config.stop_reason(trainer.state.log_history)
         result = ExpertResult(
             adapter_dir=self.final_dir,
             adapter_sha256=file_sha256(staging / ADAPTER_WEIGHTS),
@@ -532,6 +579,8 @@ class ExpertTrainer:
             snapshots=list(self.config.snapshots),
             reference_plays=self.warm_start.plays if self.warm_start else 0,
             warm_start_losses=self.warm_start.losses if self.warm_start else [],
+            rollouts_spent=int(sum(entry.get("rollouts/spent", 0) for entry in logs)),
+            stopped=stopped if trainer.state.global_step < self.config.steps else None,
         )
         if self.config.snapshots:  # kept in the work dir, so a resumed run still has the earlier ones
             (self.work_dir / SNAPSHOTS).rename(staging / SNAPSHOTS)
@@ -542,6 +591,28 @@ class ExpertTrainer:
         staging.rename(self.final_dir)
         shutil.rmtree(self.work_dir, ignore_errors=True)
         return result
+
+
+def _logged(checkpoint: Path) -> Any:
+    """A checkpoint's ``TrainerState``: its step and log history."""
+    from transformers import TrainerState
+
+    return TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+
+
+class _EarlyStop(TrainerCallback):
+    """Ends GRPO when its config's :meth:`~training.config.ExpertTrainingConfig.stop_reason`
+    says so, saving a checkpoint there so that a resumed run finds the same stop."""
+
+    def __init__(self, config: ExpertTrainingConfig) -> None:
+        self.config = config
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
+    ) -> None:
+        if logs and "rollouts/spent" in logs and self.config.stop_reason(state.log_history):
+            control.should_training_stop = True
+            control.should_save = True
 
 
 class _Snapshots(TrainerCallback):
