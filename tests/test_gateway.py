@@ -498,6 +498,25 @@ def test_the_router_is_swapped_by_spec_through_the_admin_api(client, gateway):
         assert httpx.post(f"{gateway.url}/v1/router", json=original).status_code == 200
 
 
+def test_the_route_endpoint_tells_the_gateways_own_decision_which_its_requests_then_get(client, gateway):
+    from trace_plugin.gateway.admin import GatewayAdmin
+
+    ensure_loaded(gateway, "beta@1", "beta/1")
+    route = GatewayAdmin(gateway.url).route
+    opening = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "return this"}]
+    assert asyncio.run(route("support", opening)) == "beta"  # the live version serves it
+    assert asyncio.run(route("support", [{"role": "user", "content": "Where is my order?"}])) == ""
+    assert asyncio.run(route("beta", opening)) == "beta"  # a named adapter is its own decision
+    served = greedy(client, "support", "return this")
+    assert served.model == "beta@1"
+    refused = httpx.post(f"{gateway.url}/v1/route", json={"model": "support", "messages": []})
+    assert refused.status_code == 400
+    unknown = httpx.post(
+        f"{gateway.url}/v1/route", json={"model": "nope", "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert unknown.status_code == 404
+
+
 def test_hot_swap_under_load_drops_nothing_and_rolls_back(client, gateway):
     ensure_loaded(gateway, "alpha@1", "alpha/1")
 

@@ -190,10 +190,26 @@ class SupportStack:
         return LangGraphAgent(build, examples=support.few_shot_messages(), max_turns=6)
 
     async def evaluate(self, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
-        """The support agent on retail tasks, served as ``model``; recorded as an evaluation."""
+        """The support agent on retail tasks, served as ``model``; recorded as an evaluation.
+
+        Tasks run grouped by the mixture the gateway routes each ticket to (its own
+        decision, which it keeps for the conversation), one group after another: rows of
+        one adapter decode with it folded into the weights, where rows of several adapters
+        in one batch take the mixed path, several times slower."""
+        from trace_plugin.gateway.admin import GatewayAdmin
+
+        admin = GatewayAdmin(self.server.url)
+        groups: dict[str, list[int]] = {}
+        for seed in seeds:
+            groups.setdefault(await admin.route(model, RetailEnv().opening(seed)), []).append(seed)
         agent = self.agent(model, evaluation=True)
         runner = Runner(RetailEnv, agent, concurrency=16, recorder=self.recorder, console=self.console)
-        return await runner.run(seeds, description=f"test tasks as {model}")
+        results: dict[int, EpisodeResult] = {}
+        for served, group in groups.items():
+            label = f" ({served or 'base'})" if len(groups) > 1 else ""
+            for result in await runner.run(group, description=f"test tasks as {model}{label}"):
+                results[result.seed] = result
+        return [results[seed] for seed in seeds]
 
     def traffic(self, seeds: Sequence[int]) -> list[EpisodeResult]:
         """The support agent as deployed, on retail train tasks: production traffic."""

@@ -38,6 +38,14 @@ class GatewayAdmin:
         body = spec if isinstance(spec, dict) else spec.to_dict()  # the gateway validates it
         await self._request("POST", "/v1/router", json=body, params={"name": name} if name else None)
 
+    async def route(
+        self, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The label of the mixture the gateway would serve these messages as ``model`` with
+        ("" for the base model): its own routing decision, which it keeps for the request."""
+        body = {"model": model, "messages": messages, "tools": tools}
+        return (await self._request("POST", "/v1/route", json=body))["mixture"]
+
     async def embed(self, texts: list[str]) -> list[list[float]]:
         """The served base model's embeddings (what a learned gate reads), 64 texts a request."""
         vectors: list[list[float]] = []

@@ -263,3 +263,11 @@ class LoadAdapterRequest(_Lenient):
 
 class UnloadAdapterRequest(_Lenient):
     lora_name: str = Field(min_length=1, max_length=200)
+
+
+class RouteRequest(_Lenient):
+    """What ``POST /v1/route`` asks: the mixture a model name would serve these messages with."""
+
+    model: str = Field(min_length=1, max_length=400)
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None

@@ -14,7 +14,7 @@ from fastapi.responses import PlainTextResponse
 
 from trace_plugin.gateway.adapters import AdapterError
 from trace_plugin.gateway.backend import BackendError
-from trace_plugin.gateway.protocol import LoadAdapterRequest, UnloadAdapterRequest
+from trace_plugin.gateway.protocol import LoadAdapterRequest, RouteRequest, UnloadAdapterRequest
 from trace_plugin.gateway.routing import RouterSpecError, referenced_adapters, router_from_spec
 from trace_plugin.gateway.state import Gateway, GatewayError, GatewayState
 
@@ -99,3 +99,16 @@ async def set_router(request: Request, gateway: Gateway, name: str | None = None
     else:
         gateway.candidates[name] = new
     return new.spec
+
+
+@router.post("/v1/route")
+async def route(body: RouteRequest, request: Request, gateway: Gateway) -> dict[str, Any]:
+    """The gateway's own decision for a request, without serving it: the mixture's label
+    ("" for the base model) and the router version that chose it (None: the model named
+    it). A router remembers its decisions, so the request, sent later, is served the same:
+    an evaluation groups its tasks by this to run each group through one adapter."""
+    gateway.check_admin(request)
+    messages = [m.to_openai() for m in body.messages]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    mixture, version = await gateway.select(body.model, messages, tools, request)
+    return {"mixture": mixture.label(), "router": version}
