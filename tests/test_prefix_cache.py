@@ -56,13 +56,29 @@ def test_entries_are_per_adapter_longest_first_and_evicted_oldest_first():
     cache.put(None, opening, "kv-opening")
     cache.put(None, turn, "kv-turn")
     assert cache.longest(None, (*turn, 1, 2)) == (turn, "kv-turn")
-    assert cache.longest(None, (*opening, 1, 2)) == (opening, "kv-opening")
+    assert cache.longest(None, (*opening, 2)) == (opening, "kv-opening")
+    assert cache.longest(None, (*opening, 1, 2)) == ((*opening, 1), "kv-turn")  # the turn holds more of it
     assert cache.longest("expert", (*turn, 1, 2)) is None  # another adapter's keys differ
-    assert cache.longest(None, opening) is None  # a prompt must keep a token to run
-    cache.put("expert", opening, "kv-expert")  # evicts the least recently used: the turn
-    assert len(cache) == 2 and cache.longest(None, (*turn, 1, 2)) == (opening, "kv-opening")
+    assert cache.longest(None, opening) == (opening[:2], "kv-opening")  # a prompt keeps a token to run
+    cache.longest(None, (*turn, 1, 2))  # the turn is the most recently used
+    cache.put("expert", opening, "kv-expert")  # evicts the least recently used: the opening
+    assert len(cache) == 2 and cache.longest(None, (*opening, 2)) == (opening, "kv-turn")
     cache.drop("expert")
     assert cache.longest("expert", (*opening, 1)) is None
+
+
+def test_a_prompt_reuses_the_longest_token_prefix_any_entry_shares_and_room_is_counted_in_tokens():
+    """A kept conversation re-rendered with its reply tokenized otherwise still lends the
+    tokens before the difference; entries past the token budget are evicted oldest first."""
+    cache = PrefixCache(TURN, max_tokens=12, min_tokens=3)
+    conversation = (5, 6, 7, 1, 8, 9, 3)  # prompt and reply, as generated
+    cache.put(None, conversation, "kv-conversation")
+    assert cache.longest(None, (5, 6, 7, 1, 8, 4, 4, 1, 2)) == ((5, 6, 7, 1, 8), "kv-conversation")
+    assert cache.longest(None, (5, 6, 2)) is None  # under min_tokens once a token is left to run
+    cache.put(None, (5, 6, 7, 2, 2), "kv-other")  # 12 tokens in all: both fit
+    assert len(cache) == 2
+    cache.put(None, (5, 6, 7, 1), "kv-turn")  # 16: the oldest goes
+    assert len(cache) == 2 and cache.longest(None, (*conversation, 2))[1] == "kv-turn"
 
 
 def tickets(backend: EmbeddedBackend, n: int) -> list[str]:
@@ -169,3 +185,30 @@ def test_requests_offering_their_own_tools_reuse_what_they_share_and_change_no_t
         c.token_ids for c in reference
     ]
     assert cache.stats.hits == hits + 3 and cache.stats.tokens_reused >= reused + sum(reusable)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_conversations_next_turn_continues_from_its_kept_reply_and_changes_no_token():
+    """Sixteen conversations' second turns all hit their own first turns, reply included
+    (the old cache held 8 openings and rebuilt each turn's history), with the same tokens."""
+    backend = EmbeddedBackend(precision="float32", max_batch=16)
+    params = SamplingParams(max_tokens=12, bad_words=REPLY_FORBIDDEN)
+    firsts = tickets(backend, 16)
+    replies = backend.generate_rows(firsts, [None] * 16, params)
+    seconds = [
+        first + reply.text + '<|im_end|>\n<|im_start|>user\n<tool_response>\n"not found"\n'
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        for first, reply in zip(firsts, replies, strict=True)
+    ]
+    stats = backend.prefix_cache.stats
+    before = stats.tokens_reused
+    kept = backend.generate_rows(seconds, [None] * 16, params)
+    # Each second turn reused its whole first prompt and most of its reply.
+    assert stats.tokens_reused - before >= sum(
+        len(r.prompt_token_ids) + len(r.token_ids) // 2 for r in replies
+    )
+    backend.prefix_cache = None
+    assert [c.token_ids for c in kept] == [
+        c.token_ids for c in backend.generate_rows(seconds, [None] * 16, params)
+    ]

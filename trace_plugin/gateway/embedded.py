@@ -114,7 +114,7 @@ class EmbeddedBackend:
         max_batch: int = 8,
         batch_window_s: float = 0.005,
         max_lora_rank: int = 64,
-        prefix_cache: int = 8,
+        prefix_cache: int = 64,
         precision: Precision = "auto",
     ) -> None:
         self.model_dir = resolve_model(model)
@@ -358,7 +358,21 @@ class EmbeddedBackend:
             return
         for i in reversed(range(len(done))):
             if done[i]:
+                self._keep(slots, i)
                 self._leave(slots, i)
+
+    def _keep(self, slots: SlotCache, i: int) -> None:
+        """A finished row's conversation (prompt and reply, less the last token, which was
+        never run) enters the prefix cache: its next turn continues from it."""
+        row = self._running[i]
+        if self.prefix_cache is None or row.watch.cancelled or row.request.failed:
+            return
+        length = slots.lengths[i]
+        kv = [
+            (k[i : i + 1, :, :length].clone(), v[i : i + 1, :, :length].clone())
+            for k, v in zip(slots.keys, slots.values, strict=True)
+        ]
+        self.prefix_cache.put(row.request.adapter, (*row.ids, *row.tokens[: length - len(row.ids)]), kv)
 
     def _leave(self, slots: SlotCache, i: int) -> None:
         """Row i's slot is free: the last running row moves into it."""
@@ -414,8 +428,11 @@ class EmbeddedBackend:
         """The keys and values of ``prefix`` under ``adapter``, continuing from ``base``'s,
         and the logits after it."""
         start = len(base[0]) if base else 0
+        past = (
+            [(k[:, :, :start], v[:, :, :start]) for k, v in base[1]] if base else None
+        )  # an entry may hold more
         with self._route([adapter]):
-            cache, logits = prefill(self.model, prefix[start:], past=base[1] if base else None)
+            cache, logits = prefill(self.model, prefix[start:], past=past)
         return layers(cache), logits
 
     def _route(self, adapters: list[str | None]) -> contextlib.AbstractContextManager[None]:
