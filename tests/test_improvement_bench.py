@@ -1,0 +1,47 @@
+"""The headline bench's bookkeeping: wall time summed over a resumed run's parts, and the
+ablations' reading of routers and routing decisions."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from improvement import Clock  # noqa: E402
+from improvement_ablations import dominant, rename_adapters, top1  # noqa: E402
+
+
+def test_bench_seconds_add_up_over_a_killed_run_and_its_resumption(tmp_path, monkeypatch):
+    now = iter([0.0, 30.0, 50.0, 100.0, 110.0])
+    monkeypatch.setattr("improvement.time.monotonic", lambda: next(now))
+    first = Clock(tmp_path / "seconds.json")  # started at 0
+    first.tick()  # 30 s into a stage
+    first.tick()  # 50 s: then the run was killed
+    resumed = Clock(tmp_path / "seconds.json")  # restarted at 100
+    assert resumed.tick() == 60.0  # 50 s before the kill and 10 since
+    assert json.loads((tmp_path / "seconds.json").read_text()) == {"seconds": 60.0}
+
+
+def test_ablation_routers_rename_their_adapters_and_keep_one_expert_per_request():
+    router = {
+        "kind": "classifier",
+        "experts": [
+            {"capability": "lookup", "adapter": "lookup"},
+            {"capability": "writes", "adapter": "writes"},
+        ],
+        "retrieval": {"corpus": [{"adapter": "lookup", "text": "where is"}], "k": 4, "top_p": 0.9},
+    }
+    renamed = rename_adapters(router, {"lookup@2": "nowarm_lookup@1", "writes@1": "nowarm_writes@1"})
+    assert [e["adapter"] for e in renamed["experts"]] == ["nowarm_lookup", "nowarm_writes"]
+    assert renamed["retrieval"]["corpus"][0]["adapter"] == "nowarm_lookup"
+    assert [e["capability"] for e in renamed["experts"]] == ["lookup", "writes"]  # labels stay
+    assert top1(router)["retrieval"]["top_p"] < 0.5 and router["retrieval"]["top_p"] == 0.9
+
+
+def test_a_mixture_decision_counts_as_its_largest_share():
+    assert dominant("lookup:0.7,writes:0.3") == "lookup"
+    assert dominant("") == ""  # the base model
+    assert dominant("lookup:0.6,writes:0.4;layers=0123456789ab") == "lookup"
+    assert dominant("writes") == "writes"
