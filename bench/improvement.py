@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import resource
 import shutil
 import sys
 import time
@@ -64,6 +63,7 @@ from trace_plugin.demo import (  # noqa: E402
     SupportStack,
     cycle_cells,
     cycle_report,
+    peak_rss_gb,
 )
 from trace_plugin.environments.interpreter import SpecEnv, worked_example  # noqa: E402
 from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv  # noqa: E402
@@ -107,15 +107,6 @@ class Clock:
         partial.write_text(json.dumps({"seconds": self.total}))
         partial.replace(self.path)
         return self.total
-
-
-def peak_rss_gb() -> float:
-    """The peak resident memory of this process or of any child it waited for, in GB."""
-    kilobytes = max(
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
-    )
-    return round(kilobytes / 1024**2, 2)
 
 
 def arguments(description: str) -> argparse.Namespace:

@@ -125,6 +125,18 @@ def cycle_report(store: Store, cycle: str, traffic_success: float, after: dict[s
     )
 
 
+def peak_rss_gb() -> float:
+    """The peak resident memory of this process or of any child it waited for, in GB: a
+    run's whole cost, since moving work into a subprocess hides memory without saving it."""
+    import resource
+
+    kilobytes = max(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+    )
+    return round(kilobytes / 1024**2, 2)
+
+
 class SupportStack:
     """The demo's world: a store, the model behind the gateway (the embedded backend, or a
     local vLLM server it starts and stops), and the example support agent pointed at it.
@@ -361,6 +373,11 @@ def main(
         "model": backend.model_id,
         "before": _strip(before),
         "after": cycles[-1].after,
+        # The live agent's success on the reported tasks after each cycle, less before it.
+        "cycle_gains": [
+            round(c.after["success"] - b, 4)
+            for c, b in zip(cycles, [before["success"], *[c.after["success"] for c in cycles]], strict=False)
+        ],
         "cycles": [asdict(c) for c in cycles],
         "capabilities": [
             {
@@ -393,6 +410,7 @@ def main(
         ],
         # Stages a resumed run read back count with the seconds they took when they ran.
         "seconds": {k: round(v, 1) for k, v in timings.items()} | {"total": round(sum(timings.values()), 1)},
+        "peak_rss_gb": peak_rss_gb(),
     }
     _print(console, report)
     out.mkdir(parents=True, exist_ok=True)
