@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -107,6 +109,43 @@ class Clock:
         partial.write_text(json.dumps({"seconds": self.total}))
         partial.replace(self.path)
         return self.total
+
+
+class MemoryTrace:
+    """Where the run's memory goes: the process's resident memory sampled every ``every``
+    seconds, each sample labelled with the bench's step and the improver's running jobs,
+    and the peak per label, kept in ``path`` (merged over a resumed run's parts)."""
+
+    def __init__(self, store: Any, path: Path, every: float = 2.0) -> None:
+        self.store, self.path, self.every = store, path, every
+        self.step = "start"
+        self.peaks: dict[str, float] = json.loads(path.read_text()) if path.is_file() else {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="memory-trace", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every):
+            with contextlib.suppress(Exception):  # a sample lost is no reason to stop the bench
+                rss = _resident_gb()
+                running = [f"{j.stage} {j.key}" for j in self.store.jobs(AGENT) if j.status == "running"]
+                label = " / ".join([self.step, *running])
+                self.peaks[label] = max(self.peaks.get(label, 0.0), rss)
+
+    def close(self) -> dict[str, float]:
+        """Stop sampling; the peaks, largest first."""
+        self._stop.set()
+        self._thread.join()
+        self.path.write_text(json.dumps(self.peaks))
+        return dict(sorted(self.peaks.items(), key=lambda item: -item[1]))
+
+
+def _resident_gb() -> float:
+    """This process's resident memory now, in GB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024**2, 2)
+    return 0.0
 
 
 def arguments(description: str) -> argparse.Namespace:
@@ -406,12 +445,15 @@ def main() -> None:
     args = arguments(__doc__.splitlines()[0])
     bench = Bench.open(args)
     clock = Clock(bench.out / "seconds-improvement.json")
+    memory = MemoryTrace(bench.store, bench.out / "memory-improvement.json")
     console, test = bench.console, bench.test
     try:
+        memory.step = "base"
         base_summary = base_step(bench)
         base = successes(base_summary["episodes"])
         cycles = []
         for n in range(1, bench.preset.cycles + 1):
+            memory.step = f"cycle {n}"
             cycles.append(cycle_step(bench, n))
             clock.tick()
         composed = [c for c in cycles if c["candidate"] is not None]
@@ -420,6 +462,7 @@ def main() -> None:
         results = expert_results(bench.store)
         trace_spent = cycles[-1]["rollouts"]
         budget = args.budget or trace_spent or bench.preset.rollouts * bench.preset.max_experts
+        memory.step = "grpo_target"
         grpo, grpo_points = grpo_step(bench, budget)
         clock.tick()
         grpo_rows = (
@@ -428,8 +471,10 @@ def main() -> None:
             else bench.evaluated("grpo_target", lambda: grpo)
         )
         last, experts = bench.last_deployment(), bench.experts()
+        memory.step = "turn_kv_reuse"
         turn_kv = turn_kv_step(bench, next(iter(experts.values()))) if experts else None
         clock.tick()
+        memory.step = "mixture_eval"
         mixture_ratio = mixture_ratio_step(bench, last, experts)
         calibration_samples = len(bench.store.list_episodes(f"calibration:{AGENT}", limit=10**6))
         bench.results.get(
@@ -438,6 +483,7 @@ def main() -> None:
     finally:
         bench.stop()
         clock.tick()
+        peaks = memory.close()
 
     from training.experts import ExpertResult
 
@@ -482,6 +528,12 @@ def main() -> None:
         )
     console.print(f"each cycle's gain on the reported tasks: {cycle_gains}")
     console.print(f"turn_kv_reuse_speedup {turn_kv}; mixture_eval_ratio {mixture_ratio}")
+    table = Table(title="Peak resident memory (GB) by step and the improver's running jobs, largest first")
+    for column in ("step / jobs", "GB"):
+        table.add_column(column)
+    for label, gb in list(peaks.items())[:10]:
+        table.add_row(label, f"{gb:.2f}")
+    console.print(table)
     curves = {
         "trace": [(0, figures["base"])] + [(c["rollouts"], mean(c["live"])) for c in cycles],
         "grpo": [(0, figures["base"])]
