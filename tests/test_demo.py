@@ -123,3 +123,27 @@ def test_the_report_flags_an_expert_whose_unhinted_reward_never_rose_and_shows_e
         "| 1 | 0.25 | tool_call_format, termination | tool_call_format | tool_call_format@e1 (static) "
         "| rejected: target success 0.25 does not beat the live 0.25 by 0.0 | 0.25 |"
     )
+
+
+def test_an_evaluation_runs_one_routing_decision_at_a_time_and_keeps_the_tasks_order():
+    import asyncio
+
+    from trace_plugin.environments.base import RewardBreakdown
+    from trace_plugin.environments.runner import EpisodeResult
+
+    decisions = {1: "lookup", 2: "", 3: "lookup", 4: "writes:0.6,lookup:0.4", 5: ""}
+    runs: list[tuple[list[int], str | None]] = []
+
+    async def route(seed: int) -> str:
+        return decisions[seed]
+
+    async def run(group: list[int], served: str | None) -> list[EpisodeResult]:
+        runs.append((group, served))
+        return [EpisodeResult(s, "k", RewardBreakdown(s / 10), f"ep{s}", "") for s in reversed(group)]
+
+    results = asyncio.run(demo.grouped_by_route([1, 2, 3, 4, 5], route, run))
+    assert [r.seed for r in results] == [1, 2, 3, 4, 5]  # each task's own result, in the tasks' order
+    assert runs == [([1, 3], "lookup"), ([2, 5], ""), ([4], "writes:0.6,lookup:0.4")]
+    runs.clear()
+    asyncio.run(demo.grouped_by_route([1, 3], route, run))
+    assert runs == [([1, 3], None)]  # one decision: one run, labelled as the model

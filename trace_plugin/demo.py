@@ -25,7 +25,7 @@ import importlib.util
 import json
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -137,6 +137,24 @@ def peak_rss_gb() -> float:
     return round(kilobytes / 1024**2, 2)
 
 
+async def grouped_by_route(
+    seeds: Sequence[int],
+    route: Callable[[int], Awaitable[str]],
+    run: Callable[[list[int], str | None], Awaitable[list[EpisodeResult]]],
+) -> list[EpisodeResult]:
+    """``run`` over ``seeds`` one routing decision at a time (``route``: a seed's mixture
+    label), the results in the order of ``seeds``. ``run`` gets the group's label, or None
+    when every seed had the same one."""
+    groups: dict[str, list[int]] = {}
+    for seed in seeds:
+        groups.setdefault(await route(seed), []).append(seed)
+    results: dict[int, EpisodeResult] = {}
+    for served, group in groups.items():
+        for result in await run(group, served if len(groups) > 1 else None):
+            results[result.seed] = result
+    return [results[seed] for seed in seeds]
+
+
 class SupportStack:
     """The demo's world: a store, the model behind the gateway (the embedded backend, or a
     local vLLM server it starts and stops), and the example support agent pointed at it.
@@ -211,17 +229,22 @@ class SupportStack:
         from trace_plugin.gateway.admin import GatewayAdmin
 
         admin = GatewayAdmin(self.server.url)
-        groups: dict[str, list[int]] = {}
-        for seed in seeds:
-            groups.setdefault(await admin.route(model, RetailEnv().opening(seed)), []).append(seed)
-        agent = self.agent(model, evaluation=True)
-        runner = Runner(RetailEnv, agent, concurrency=16, recorder=self.recorder, console=self.console)
-        results: dict[int, EpisodeResult] = {}
-        for served, group in groups.items():
-            label = f" ({served or 'base'})" if len(groups) > 1 else ""
-            for result in await runner.run(group, description=f"test tasks as {model}{label}"):
-                results[result.seed] = result
-        return [results[seed] for seed in seeds]
+        runner = Runner(
+            RetailEnv,
+            self.agent(model, evaluation=True),
+            concurrency=16,
+            recorder=self.recorder,
+            console=self.console,
+        )
+
+        async def route(seed: int) -> str:
+            return await admin.route(model, RetailEnv().opening(seed))
+
+        async def run(group: list[int], served: str | None) -> list[EpisodeResult]:
+            label = f" ({served or 'base'})" if served is not None else ""
+            return await runner.run(group, description=f"test tasks as {model}{label}")
+
+        return await grouped_by_route(seeds, route, run)
 
     def traffic(self, seeds: Sequence[int]) -> list[EpisodeResult]:
         """The support agent as deployed, on retail train tasks: production traffic."""
