@@ -285,7 +285,9 @@ def test_resampling_finds_signal_on_a_fresh_seed(tokenizer):
     rollouts = RolloutFunction(
         config, player, seeds=[1, 4], hint=hint, generate=lambda trainer: nullcontext(policy)
     )
-    out = rollouts([json.dumps({"seed": 1})] * 2, SimpleNamespace(state=SimpleNamespace(global_step=5, log_history=[])))
+    out = rollouts(
+        [json.dumps({"seed": 1})] * 2, SimpleNamespace(state=SimpleNamespace(global_step=5, log_history=[]))
+    )
     assert out["env_reward"] == [1.0, 0.0] and 1 in out["env_mask"][0]
     assert "My number is 4." in tokenizer.decode(out["prompt_ids"][0])
 
@@ -649,9 +651,11 @@ def test_a_conversations_next_turn_runs_on_its_kept_keys_and_values_and_changes_
 
 
 @pytest.mark.slow
-def test_the_shared_prompt_loss_pass_equals_trls_in_values_and_gradients():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_shared_prompt_loss_pass_equals_trls_in_values_and_gradients(recompute, monkeypatch):
     """Two groups of three rollouts and a dropped group's stubs, left-padded as TRL pads them:
-    running each prompt once gives the log-probs, entropies and LoRA gradients of TRL's pass."""
+    running each prompt once gives the log-probs, entropies and LoRA gradients of TRL's pass,
+    also when every decoder layer is replayed in backward instead of keeping its activations."""
     import torch
     from peft import LoraConfig, get_peft_model
     from trl.trainer.utils import add_fused_lm_head
@@ -691,7 +695,20 @@ def test_the_shared_prompt_loss_pass_equals_trls_in_values_and_gradients():
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     expected, expected_entropy = reference()
-    ours, entropy = shared_prefix_logps(model, input_ids, attention_mask, 6, compute_entropy=True)
+    replays = []
+    checkpoint = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(
+        torch.utils.checkpoint, "checkpoint", lambda *a, **k: replays.append(1) or checkpoint(*a, **k)
+    )
+    model.train()  # as TRL trains it (no dropout: the same network); layers replay only in training
+    if recompute:  # and score two rows' completions a forward
+        monkeypatch.setattr("training.experts.HEAD_POSITIONS", 12)
+    ours, entropy = shared_prefix_logps(
+        model, input_ids, attention_mask, 6, compute_entropy=True, recompute=recompute
+    )
+    # Each decoder layer checkpointed in every pass: three prompts (two groups', the stubs'), then
+    # their rows two at a time (2 + 2 + 1 passes).
+    assert len(replays) == (8 * model.config.num_hidden_layers if recompute else 0)
     assert ours.shape == expected.shape == (8, 6) and not ours.isnan().any()
     assert torch.allclose(ours, expected, atol=1e-4) and torch.allclose(entropy, expected_entropy, atol=1e-4)
     g_expected, g_ours = grads(expected), grads(ours)

@@ -204,9 +204,9 @@ def test_sft_trains_the_replies_only_and_truncates_nothing(tokenizer, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_common_opening_once_equals_the_plain_forward_in_loss_and_gradients():
+def test_the_common_opening_once_equals_the_plain_forward_in_loss_and_gradients(monkeypatch):
     """Rows sharing a 40-token opening, then their own requests and replies, right-padded as
-    TRL's collator pads them."""
+    TRL's collator pads them; in training mode, so every decoder layer is replayed in backward."""
     import torch
     from peft import LoraConfig, get_peft_model
     from trl.trainer.utils import add_fused_lm_head
@@ -238,8 +238,15 @@ def test_the_common_opening_once_equals_the_plain_forward_in_loss_and_gradients(
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
+    model.train()  # as SFT trains it (no dropout: the same network)
     plain = model(input_ids=input_ids, attention_mask=attention_mask, labels=label_ids, fused_lm_head=True)
+    replays = []
+    checkpoint = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(
+        torch.utils.checkpoint, "checkpoint", lambda *a, **k: replays.append(1) or checkpoint(*a, **k)
+    )
     ours = opening_once_forward(model, input_ids, attention_mask, label_ids)
+    assert len(replays) == 2 * model.config.num_hidden_layers  # the opening's pass and the rows'
     assert int(ours.label_mask.sum()) == int(plain.label_mask.sum()) == 16
     assert torch.allclose(ours.entropy.sum(), plain.entropy.sum(), rtol=1e-4)
     (l_plain, g_plain), (l_ours, g_ours) = loss_and_grads(plain), loss_and_grads(ours)

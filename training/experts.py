@@ -64,6 +64,7 @@ from training.config import PLACE_FIELDS, ExpertTrainingConfig
 from training.episodes import EpisodePlayer, Generate, HintValue, Rollout, hf_generate
 from training.lora import ADAPTER_WEIGHTS
 from training.progress import StepProgress
+from training.recompute import ReplayCache, recomputed
 from training.vllm_rollouts import server_policy
 from training.warm_start import WARM_START_DIR, WarmStartResult, WarmStartTrainer
 
@@ -248,12 +249,16 @@ def _informative_unhinted(group: list[Rollout]) -> bool:
 # -- the loss pass --------------------------------------------------------------------------------
 
 
+HEAD_POSITIONS = 2048  # completion positions scored per forward of the loss pass
+
+
 def shared_prefix_logps(
     model: Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     logits_to_keep: int,
     compute_entropy: bool,
+    recompute: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probabilities of the completions, as TRL's loss pass computes them, but
     with each distinct prompt run through the model once instead of once per rollout.
@@ -263,7 +268,9 @@ def shared_prefix_logps(
     run the prompt (less its last token) once; its key/value cache is repeated per row, and
     the rows continue from the prompt's last token through their completions with TRL's
     fused log-prob head. Positions and masks are those of the full sequences, and gradients
-    flow back through the shared cache into the LoRA weights of the prompt pass.
+    flow back through the shared cache into the LoRA weights of the prompt pass. With
+    ``recompute`` each decoder layer is replayed in backward instead of keeping its
+    activations (:mod:`training.recompute`).
     """
     from peft import PeftModel
 
@@ -283,23 +290,33 @@ def shared_prefix_logps(
     order: list[int] = []
     logps, entropies = [], []
     for rows in groups.values():
-        cache = backbone(
-            input_ids=input_ids[rows[:1], :cut], attention_mask=attention_mask[rows[:1], :cut], use_cache=True
-        ).cache
-        cache.batch_repeat_interleave(len(rows))
-        tail = input_ids[rows, cut:]
-        labels = tail.masked_fill(attention_mask[rows, cut:] == 0, -100)
-        out = model(
-            input_ids=tail,
-            attention_mask=attention_mask[rows],
-            cache=cache,
-            labels=labels,
-            fused_lm_head=True,
-        )
-        order += rows
-        logps.append(out.log_probs)
-        if compute_entropy:
-            entropies.append(out.entropy)
+        with recomputed(model) if recompute else nullcontext():
+            prompt = ReplayCache(unwrapped.config)
+            backbone(
+                input_ids=input_ids[rows[:1], :cut],
+                attention_mask=attention_mask[rows[:1], :cut],
+                cache=prompt,
+                use_cache=True,
+            )
+            # A few rows at a time: TRL's fused head scores up to 32,768 positions in one
+            # chunk, whose float32 logits over the whole vocabulary (and their softmax)
+            # would otherwise be the pass's largest tensors.
+            per_call = max(1, HEAD_POSITIONS // logits_to_keep)
+            for start in range(0, len(rows), per_call):
+                chunk = rows[start : start + per_call]
+                tail = input_ids[chunk, cut:]
+                labels = tail.masked_fill(attention_mask[chunk, cut:] == 0, -100)
+                out = model(
+                    input_ids=tail,
+                    attention_mask=attention_mask[chunk],
+                    cache=ReplayCache(unwrapped.config, prompt.layers_kv(len(chunk))),
+                    labels=labels,
+                    fused_lm_head=True,
+                )
+                order += chunk
+                logps.append(out.log_probs)
+                if compute_entropy:
+                    entropies.append(out.entropy)
     inverse = torch.argsort(torch.tensor(order))
     return torch.cat(logps)[inverse], torch.cat(entropies)[inverse] if compute_entropy else None
 

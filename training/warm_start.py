@@ -39,6 +39,7 @@ from trace_plugin.environments.base import offered_tools, task_key
 from training.config import ExpertTrainingConfig
 from training.episodes import EpisodePlayer, Rollout
 from training.progress import StepProgress
+from training.recompute import ReplayCache, recomputed
 
 WARM_START_DIR = "warm_start"  # the warm-started adapter, inside the expert's work directory
 RESULT_FILE = "warm_start.json"
@@ -195,7 +196,8 @@ def opening_once_forward(model: Any, input_ids: Any, attention_mask: Any, labels
     most of a step. The opening, up to the first token any row trains on, runs once; its
     key/value cache is repeated per row and each row continues from it. Positions and masks
     are the full sequences', and gradients flow back through the cache into the opening's
-    LoRA weights, so loss and gradients are those of the plain forward.
+    LoRA weights, so loss and gradients are those of the plain forward. Each decoder layer is
+    replayed in backward instead of keeping its activations (:mod:`training.recompute`).
     """
     from peft import PeftModel
 
@@ -207,17 +209,21 @@ def opening_once_forward(model: Any, input_ids: Any, attention_mask: Any, labels
     if cut < 1:
         return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
     unwrapped = model.get_base_model() if isinstance(model, PeftModel) else model
-    opening = unwrapped.get_decoder()(
-        input_ids=input_ids[:1, :cut], attention_mask=attention_mask[:1, :cut], use_cache=True
-    ).cache
-    opening.batch_repeat_interleave(input_ids.size(0))
-    return model(
-        input_ids=input_ids[:, cut:],
-        attention_mask=attention_mask,
-        cache=opening,
-        labels=labels[:, cut:],
-        fused_lm_head=True,
-    )
+    with recomputed(model):  # each layer replayed in backward: its activations are not kept
+        opening = ReplayCache(unwrapped.config)
+        unwrapped.get_decoder()(
+            input_ids=input_ids[:1, :cut],
+            attention_mask=attention_mask[:1, :cut],
+            cache=opening,
+            use_cache=True,
+        )
+        return model(
+            input_ids=input_ids[:, cut:],
+            attention_mask=attention_mask,
+            cache=ReplayCache(unwrapped.config, opening.layers_kv(input_ids.size(0))),
+            labels=labels[:, cut:],
+            fused_lm_head=True,
+        )
 
 
 def _shared_opening_trainer() -> type:
