@@ -295,8 +295,7 @@ def shared_prefix_logps(
             backbone(
                 input_ids=input_ids[rows[:1], :cut],
                 attention_mask=attention_mask[rows[:1], :cut],
-                cache=prompt,
-                use_cache=True,
+                cache=prompt,  # read by every layer, use_cache or not
             )
             # A few rows at a time: TRL's fused head scores up to 32,768 positions in one
             # chunk, whose float32 logits over the whole vocabulary (and their softmax)

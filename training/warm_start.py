@@ -214,8 +214,7 @@ def opening_once_forward(model: Any, input_ids: Any, attention_mask: Any, labels
         unwrapped.get_decoder()(
             input_ids=input_ids[:1, :cut],
             attention_mask=attention_mask[:1, :cut],
-            cache=opening,
-            use_cache=True,
+            cache=opening,  # read by every layer, use_cache or not
         )
         return model(
             input_ids=input_ids[:, cut:],
