@@ -358,7 +358,8 @@ def at_spent(bench: Bench, budget: int) -> dict[str, int]:
 
 
 def grpo_step(bench: Bench, budget: int) -> tuple[str, list[tuple[int, list[float]]]]:
-    """GRPO on the target at ``budget`` rollouts spent, and its adapter along the run."""
+    """GRPO on the target at ``budget`` rollouts spent, and its adapter along the run (at a
+    third and two thirds of its steps, those it reached), each at the rollouts spent by then."""
     from training.experts import ExpertResult
 
     spent = at_spent(bench, budget)
@@ -383,7 +384,7 @@ def grpo_step(bench: Bench, budget: int) -> tuple[str, list[tuple[int, list[floa
             asyncio.run(bench.admin.ensure_adapter(f"{name}@1", str(path)))
             return f"{name}@1"
 
-        points.append((rollouts, bench.evaluated(name, load)))
+        points.append((result.spent_at(rollouts), bench.evaluated(name, load)))
     return grpo, points
 
 

@@ -22,7 +22,14 @@ from trace_plugin.generation import TemperatureSampler, folded, shared_prefix_le
 from trace_plugin.model_files import prepare_tokenizer, resolve_model
 from training.config import ExpertTrainingConfig
 from training.episodes import EpisodePlayer, hf_generate
-from training.experts import ExpertTrainer, RolloutFunction, evaluate, file_sha256, weights_sha256
+from training.experts import (
+    ExpertResult,
+    ExpertTrainer,
+    RolloutFunction,
+    evaluate,
+    file_sha256,
+    weights_sha256,
+)
 from training.lora import ADAPTER_WEIGHTS, is_noop, random_adapter
 
 
@@ -473,6 +480,7 @@ def test_grpo_stops_when_its_groups_stay_flat_and_a_resumed_run_stops_there_too(
     config = ExpertTrainingConfig(
         output_dir=str(tmp_path / "flat"),
         **{**TINY, "rollout_budget": 12, "flat_stop_steps": 2, "checkpoint_every": 10, "warm_start_plays": 0},
+        snapshots=(2, 10),  # after steps 1 and 5: the run never reaches the second
     )
     with pytest.raises(Interrupted):
         ExpertTrainer(config, FailingEchoEnv, [1, 2, 3], callbacks=[InterruptAfterCheckpoint(2)]).train()
@@ -480,6 +488,8 @@ def test_grpo_stops_when_its_groups_stay_flat_and_a_resumed_run_stops_there_too(
     assert result.steps == 2 and result.stopped == "flat" and result.resumed_from_step == 2
     assert result.rollouts_spent == 4 and len(result.logs) == 2  # two steps of one group of two
     assert result.informative_group_frac == 0.0
+    assert result.snapshots == [2] and result.spent_at(2) == 2  # the snapshots it kept, and what they cost
+    assert ExpertResult.load(result.adapter_dir) == result
 
 
 @pytest.mark.slow

@@ -370,7 +370,9 @@ class ExpertResult:
     steps: int
     logs: list[dict[str, float]]  # TRL's step logs (reward, loss, dynamic-sampling counts, ...)
     resumed_from_step: int | None = None  # the checkpoint this run continued from
-    snapshots: list[int] = dataclasses.field(default_factory=list)  # rollout counts kept (``snapshot``)
+    snapshots: list[int] = dataclasses.field(
+        default_factory=list
+    )  # rollouts offered where kept (``snapshot``)
     reference_plays: int = 0  # warm-start plays trained on before GRPO (apart from the rollouts)
     warm_start_losses: list[float] = dataclasses.field(default_factory=list)
     # Rollouts played by GRPO, resampled groups included (``rollout_budget`` is what its steps
@@ -394,6 +396,11 @@ class ExpertResult:
         data["adapter_dir"], data["base_model"] = str(self.adapter_dir), str(self.base_model)
         return json.dumps(data, indent=2)
 
+    def spent_at(self, rollouts: int) -> int:
+        """The rollouts spent (resampled groups included) by the step that offered ``rollouts``."""
+        steps = rollouts // (self.config["num_generations"] * self.config["groups_per_step"])
+        return int(sum(entry.get("rollouts/spent", 0) for entry in self.logs[:steps]))
+
     def snapshot(self, rollouts: int) -> Path:
         """The adapter as it was after ``rollouts`` training rollouts (one of ``snapshots``)."""
         if rollouts not in self.snapshots:
@@ -405,6 +412,10 @@ class ExpertResult:
         data = json.loads((adapter_dir / RESULT_FILE).read_text())
         data["adapter_dir"], data["base_model"] = Path(adapter_dir), Path(data["base_model"])
         data.setdefault("unhinted_curve", [])  # published before it was recorded
+        # What is on disk: a run stopped early recorded, before 2026-12-06, snapshots its steps never reached.
+        data["snapshots"] = [
+            r for r in data.get("snapshots", []) if (adapter_dir / SNAPSHOTS / str(r)).is_dir()
+        ]
         return cls(**data)
 
 
@@ -592,13 +603,14 @@ class ExpertTrainer:
             steps=trainer.state.global_step,
             logs=logs,
             resumed_from_step=int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint else None,
-            snapshots=list(self.config.snapshots),
+            # Those its steps reached: a run stopped early (flat, or out of rollouts) kept fewer.
+            snapshots=[r for r in self.config.snapshots if (self.work_dir / SNAPSHOTS / str(r)).is_dir()],
             reference_plays=self.warm_start.plays if self.warm_start else 0,
             warm_start_losses=self.warm_start.losses if self.warm_start else [],
             rollouts_spent=int(sum(entry.get("rollouts/spent", 0) for entry in logs)),
             stopped=stopped if trainer.state.global_step < self.config.steps else None,
         )
-        if self.config.snapshots:  # kept in the work dir, so a resumed run still has the earlier ones
+        if result.snapshots:  # kept in the work dir, so a resumed run still has the earlier ones
             (self.work_dir / SNAPSHOTS).rename(staging / SNAPSHOTS)
         if self.warm_start:  # the adapter before GRPO, for the warm start's own ablation
             self.warm_start.adapter_dir.rename(staging / WARM_START_DIR)
