@@ -566,7 +566,8 @@ def main() -> None:
                 "turn_kv_reuse_speedup": turn_kv,
                 "mixture_eval_ratio": mixture_ratio,
                 "bench_seconds": round(clock.total),
-                "peak_rss_gb": peak_rss_gb(),
+                # A resumed run's peak is its largest part's: this process's, or one its trace kept.
+                "peak_rss_gb": max(peak_rss_gb(), *peaks.values()),
                 **{
                     f"curve_{method}": [[n, round(s, 4)] for n, s in points]
                     for method, points in curves.items()
