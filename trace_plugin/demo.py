@@ -398,8 +398,10 @@ def main(
         "after": cycles[-1].after,
         # The live agent's success on the reported tasks after each cycle, less before it.
         "cycle_gains": [
-            round(c.after["success"] - b, 4)
-            for c, b in zip(cycles, [before["success"], *[c.after["success"] for c in cycles]], strict=False)
+            round(c.after["success"] - previous, 4)
+            for c, previous in zip(
+                cycles, [before["success"], *(c.after["success"] for c in cycles[:-1])], strict=True
+            )
         ],
         "cycles": [asdict(c) for c in cycles],
         "capabilities": [

@@ -370,9 +370,8 @@ class ExpertResult:
     steps: int
     logs: list[dict[str, float]]  # TRL's step logs (reward, loss, dynamic-sampling counts, ...)
     resumed_from_step: int | None = None  # the checkpoint this run continued from
-    snapshots: list[int] = dataclasses.field(
-        default_factory=list
-    )  # rollouts offered where kept (``snapshot``)
+    # The rollouts offered by the steps after which the adapter was kept (``snapshot``).
+    snapshots: list[int] = dataclasses.field(default_factory=list)
     reference_plays: int = 0  # warm-start plays trained on before GRPO (apart from the rollouts)
     warm_start_losses: list[float] = dataclasses.field(default_factory=list)
     # Rollouts played by GRPO, resampled groups included (``rollout_budget`` is what its steps
@@ -591,7 +590,7 @@ class ExpertTrainer:
             for entry in trainer.state.log_history
             if "reward" in entry
         ]
-        stopped = self.config.stop_reason(trainer.state.log_history)
+        stopped = trainer.state.global_step < self.config.steps
         result = ExpertResult(
             adapter_dir=self.final_dir,
             adapter_sha256=file_sha256(staging / ADAPTER_WEIGHTS),
@@ -608,7 +607,7 @@ class ExpertTrainer:
             reference_plays=self.warm_start.plays if self.warm_start else 0,
             warm_start_losses=self.warm_start.losses if self.warm_start else [],
             rollouts_spent=int(sum(entry.get("rollouts/spent", 0) for entry in logs)),
-            stopped=stopped if trainer.state.global_step < self.config.steps else None,
+            stopped=self.config.stop_reason(trainer.state.log_history) if stopped else None,
         )
         if result.snapshots:  # kept in the work dir, so a resumed run still has the earlier ones
             (self.work_dir / SNAPSHOTS).rename(staging / SNAPSHOTS)

@@ -428,9 +428,8 @@ class EmbeddedBackend:
         """The keys and values of ``prefix`` under ``adapter``, continuing from ``base``'s,
         and the logits after it."""
         start = len(base[0]) if base else 0
-        past = (
-            [(k[:, :, :start], v[:, :, :start]) for k, v in base[1]] if base else None
-        )  # an entry may hold more
+        # An entry may hold more than the prefix it lends: a kept conversation's reply.
+        past = [(k[:, :, :start], v[:, :, :start]) for k, v in base[1]] if base else None
         with self._route([adapter]):
             cache, logits = prefill(self.model, prefix[start:], past=past)
         return layers(cache), logits

@@ -86,10 +86,8 @@ class PrefixCache:
             if owner != adapter:
                 continue
             shared = min(common_length(prefix, ids), len(ids) - 1)
-            if shared >= self.min_tokens:
-                self._entries.move_to_end(
-                    (owner, prefix)
-                )  # in use: the opening stays as fresh as the turns on it
+            if shared >= self.min_tokens:  # in use: the opening stays as fresh as the turns on it
+                self._entries.move_to_end((owner, prefix))
                 if best is None or shared > best[0]:
                     best = (shared, prefix)
         if best is None:
