@@ -146,8 +146,9 @@ async def grouped_by_route(
     label), the results in the order of ``seeds``. ``run`` gets the group's label, or None
     when every seed had the same one."""
     groups: dict[str, list[int]] = {}
-    for seed in seeds:
-        groups.setdefault(await route(seed), []).append(seed)
+    # Asked together: a router's decisions (a classifier's prefill each) batch in the backend.
+    for seed, label in zip(seeds, await asyncio.gather(*map(route, seeds)), strict=True):
+        groups.setdefault(label, []).append(seed)
     results: dict[int, EpisodeResult] = {}
     for served, group in groups.items():
         for result in await run(group, served if len(groups) > 1 else None):
