@@ -96,7 +96,7 @@ def without_warm_start(bench: Bench, expert: Expert) -> str:
         lambda: SpecEnv(spec),
         list(TRAINING_SEEDS),
         hint=worked_example(spec) or spec.hint,  # as the improver's executor trains it
-        **{**settings, "warm_start_plays": 0, "snapshots": tuple(settings.get("snapshots") or ())},
+        **{**settings, "warm_start_plays": 0},
     )
 
 
