@@ -101,6 +101,25 @@ def test_one_expert_takes_all_traffic_several_are_classified(sqlite_url):
         ImproverConfig("a", "http://x", "/tmp", router="bogus")
 
 
+async def test_where_the_candidate_router_chooses_none_the_live_deployment_routes(sqlite_url, monkeypatch):
+    """The candidate holds the live experts, but its classifier's "none" once served the bare
+    base model: now the live deployment's router decides there."""
+    store = Store(sqlite_url)
+    store.upgrade()
+    improver = Improver(store, ImproverConfig("a", "http://127.0.0.1:9", store.url, router="top1"))
+
+    async def loaded(experts):
+        return {"fmt": "fmt@1", "refusal": "refusal@2"}
+
+    monkeypatch.setattr(improver, "_load_candidates", loaded)
+    assert "fallback" not in (await improver._route({})).router.to_dict()  # nothing live: the base
+    live = {"kind": "static", "adapter": "fmt"}
+    store.make_live(Deployment("c1", "a", "live", adapters={"fmt": "fmt@1"}, router=live))
+    router = (await improver._route({})).router.to_dict()
+    assert router["kind"] == "classifier" and router["fallback"] == live
+    store.close()
+
+
 def test_jobs_and_deployments_are_stored_once_per_id(db_url):
     store = Store(db_url)
     store.upgrade()
@@ -333,7 +352,7 @@ def test_stage_outputs_survive_the_job_row():
 
 def test_an_expert_no_gradient_reached_is_not_evaluated(sqlite_url, monkeypatch):
     """A no-op adapter is the base model: the cycle skips it, and ends when nothing is left."""
-    from trace_plugin.improver import Mined, Synthesized, Trained, stages
+    from trace_plugin.improver import Mined, Screened, Synthesized, Trained, stages
 
     store = Store(sqlite_url)
     store.upgrade()
@@ -343,7 +362,11 @@ def test_an_expert_no_gradient_reached_is_not_evaluated(sqlite_url, monkeypatch)
     async def synthesized(capability):
         return Synthesized(env=f"{capability}-env", version=1, status="validated")
 
+    async def screened(env):
+        return Screened("base", 0.0, 0.0, True)
+
     monkeypatch.setattr(improver, "_synthesize", synthesized)
+    monkeypatch.setattr(improver, "_screen", screened)
     noop = Trained("e1", "/adapters/fmt/e1", [0.0], [0.0], noop=True)
     monkeypatch.setattr(stages, "train", lambda *_: noop)
 
@@ -357,6 +380,8 @@ def test_an_expert_no_gradient_reached_is_not_evaluated(sqlite_url, monkeypatch)
         "deployed": None,
         "reason": "no gradient reached the adapters of ['fmt']",
         "trained": {"fmt": noop.to_dict()},
+        "live_scores": {"fmt": 0.0},
+        "passed_over": {},
     }
     assert (
         Trained.from_dict(noop.to_dict()) == noop
@@ -411,6 +436,74 @@ def test_a_capability_no_environment_can_exercise_is_passed_over_and_the_next_on
     )
 
 
+def test_a_capability_the_live_agent_already_solves_is_not_trained_and_frees_its_place(
+    sqlite_url, monkeypatch
+):
+    """Cycle 2 once trained environments the live cycle-1 expert already scored 1.00 on:
+    selection read the base model's old failures and never asked the agent as it serves now.
+    Each new environment is played by the live deployment, under its own router name, before
+    training; one it solves frees its place for the next, and the cycle reports both scores."""
+    from trace_plugin.environments.base import RewardBreakdown
+    from trace_plugin.environments.retail import POLICY, TOOLS
+    from trace_plugin.environments.runner import EpisodeResult
+    from trace_plugin.environments.synthesis import synthesize
+    from trace_plugin.improver import CycleEnd, Mined, Screened, Trained, stages
+    from trace_plugin.records.capability import Capability
+
+    store = Store(sqlite_url)
+    store.upgrade()
+    names = ["policy_refusal", "multi_step_completion", "communicating_facts"]
+    store.save_capabilities("a", [Capability(n, n, "detector", True, {}, mining_run="r1") for n in names])
+    store.make_live(Deployment("c1", "a", "live", adapters={}, router={"kind": "static", "adapter": "x"}))
+    config = ImproverConfig("a", "http://127.0.0.1:9", store.url, calibrate=False, max_experts=1)
+    improver = Improver(store, config)
+    monkeypatch.setattr(stages, "mine", lambda _: Mined(selected=names, covered=[], train=names))
+
+    async def prepare(store, agent, capability, **_):
+        report = {"capability": {"name": capability.name, "mining_run": capability.mining_run}}
+        return store.save_env_spec(
+            agent, synthesize(capability.name, TOOLS, system_prompt=POLICY), "validated", report
+        )
+
+    monkeypatch.setattr(stages, "prepare_environment", prepare)
+    registered, played = {}, []
+
+    async def set_router(spec, *, name=None):
+        registered[name] = spec
+
+    async def play(spec, model, seeds):  # the live agent solves refusals only
+        played.append((spec.capability, model))
+        solved = spec.capability == "policy_refusal"
+        return [EpisodeResult(s, "k", RewardBreakdown(float(solved)), "", "") for s in seeds]
+
+    monkeypatch.setattr(improver.gateway, "set_router", set_router)
+    monkeypatch.setattr(improver, "_play_spec", play)
+    trained: list[str] = []
+
+    def train(improver, cycle, capability, env):
+        trained.append(capability)
+        return Trained("e1", "/adapters/e1", [0.0], [0.0], noop=True)
+
+    monkeypatch.setattr(stages, "train", train)
+    assert improver.run_once() is None
+    assert trained == ["multi_step_completion"]
+    assert played == [("policy_refusal", "router:c1"), ("multi_step_completion", "router:c1")]
+    assert registered == {"c1": {"kind": "static", "adapter": "x"}}  # by its own name, not "default"
+    jobs = {(j.stage, j.key): j for j in store.jobs("a")}
+    assert Screened.from_dict(jobs["screen", "policy_refusal"].outputs) == Screened(
+        "router:c1", 1.0, 1.0, False
+    )
+    end = CycleEnd.from_dict(jobs["cycle", "all"].outputs)
+    assert end.live_scores == {"policy_refusal": 1.0, "multi_step_completion": 0.0}
+    assert "already succeeds 1.00" in end.passed_over["policy_refusal"]
+    # A resumed cycle makes the same choices: the screen is a job, read back, not played again.
+    played.clear()
+    jobs["cycle", "all"].status = "running"
+    store.save_job(jobs["cycle", "all"])
+    improver.run_once()
+    assert played == [] and trained == ["multi_step_completion"]
+
+
 def test_each_cycle_mines_the_traffic_its_live_deployment_served(db_url):
     """Failures an earlier cycle already answered are not mined again: once a deployment is
     live, the improver mines only the traffic it served, and finds the next deficit there."""
@@ -449,6 +542,7 @@ def test_a_deployed_candidate_is_measured_once_on_the_target(sqlite_url, monkeyp
         Evaluation,
         Mined,
         Routing,
+        Screened,
         Summary,
         Synthesized,
         TargetScores,
@@ -479,7 +573,10 @@ def test_a_deployed_candidate_is_measured_once_on_the_target(sqlite_url, monkeyp
     base = Summary(n=2, success=0.0, by_kind={"lookup": 0.0}, episodes=[])
     better = Summary(n=2, success=1.0, by_kind={"lookup": 1.0}, episodes=[])
 
-    async def evaluated(improver, cycle, experts, routing):
+    async def screened(env):
+        return Screened("base", 0.0, 0.0, True)
+
+    async def evaluated(improver, cycle, experts, routing, screened):
         return Evaluation({"fmt": "fmt@1"}, routing.router, {}, TargetScores(current=base, candidate=better))
 
     async def deployed(deployment):
@@ -487,6 +584,7 @@ def test_a_deployed_candidate_is_measured_once_on_the_target(sqlite_url, monkeyp
         return Deployed(deployment.id)
 
     monkeypatch.setattr(improver, "_synthesize", synthesized)
+    monkeypatch.setattr(improver, "_screen", screened)
     monkeypatch.setattr(stages, "train", lambda *_: Trained("e1", "/adapters/fmt/e1", [0.0], [0.0]))
     monkeypatch.setattr(improver, "_route", routed)
     monkeypatch.setattr(evaluation_module, "evaluate", evaluated)

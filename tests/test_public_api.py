@@ -22,6 +22,7 @@ from trace_plugin.improver import (
     Mined,
     Routing,
     Scores,
+    Screened,
     Synthesized,
     Trained,
     stages,
@@ -62,7 +63,8 @@ def test_the_embedded_gateway_runs_in_process_and_stops(tmp_path):
 
 
 def _scripted(store: Store, improver: Improver, monkeypatch: pytest.MonkeyPatch, capability: str) -> None:
-    """Mining selects ``capability`` and synthesis gives it a validated retail environment."""
+    """Mining selects ``capability``, synthesis gives it a validated retail environment, and
+    the live agent fails there."""
     from trace_plugin.environments.retail import POLICY, TOOLS
     from trace_plugin.environments.synthesis import synthesize
 
@@ -73,7 +75,11 @@ def _scripted(store: Store, improver: Improver, monkeypatch: pytest.MonkeyPatch,
     async def synthesized(_: str) -> Synthesized:
         return Synthesized(env=record.spec.name, version=record.version, status="validated")
 
+    async def screened(_: Synthesized) -> Screened:  # the live agent fails it
+        return Screened("base", 0.0, 0.0, True)
+
     monkeypatch.setattr(improver, "_synthesize", synthesized)
+    monkeypatch.setattr(improver, "_screen", screened)
 
 
 def test_a_rejected_cycle_names_its_experts_and_candidate_router(sqlite_url, tmp_path, monkeypatch):
@@ -90,7 +96,7 @@ def test_a_rejected_cycle_names_its_experts_and_candidate_router(sqlite_url, tmp
     async def routed(experts: dict[str, str]) -> Routing:
         return Routing(router)
 
-    async def evaluated(improver, cycle, experts, routing) -> Evaluation:  # no better than the base
+    async def evaluated(improver, cycle, experts, routing, screened) -> Evaluation:  # no better than the base
         return Evaluation({"fmt": "fmt@e1"}, routing.router, {"fmt": Scores(0.5, 0.5, 0.5)})
 
     monkeypatch.setattr(improver, "_route", routed)

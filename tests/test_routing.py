@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from trace_plugin.gateway.backend import SamplingParams
+from trace_plugin.gateway.backend import Completion, SamplingParams
 from trace_plugin.gateway.routing import (
     ClassifierRouter,
     ExpertChoice,
@@ -175,3 +175,39 @@ def test_a_retrieval_spec_round_trips_and_a_top1_spec_keeps_its_digest():
     ):
         with pytest.raises(RouterSpecError, match=needle):
             router_from_spec({**retrieval_spec(), "retrieval": bad}, backend=None)
+
+
+class Letters:
+    """A backend whose classifier's next-token distribution is fixed (and every request's
+    embedding, [1, 0, 0]): only the routing decision made of it is under test."""
+
+    def __init__(self, probabilities: dict[str, float]) -> None:
+        self.top = {label: math.log(p) for label, p in probabilities.items()}
+
+    def render(self, messages: list[dict], tools: list[dict] | None) -> str:
+        return messages[-1]["content"]
+
+    async def generate(self, prompt: str, params: SamplingParams, adapter: str | None) -> list[Completion]:
+        return [Completion("N", [0], "length", top_logprobs=[self.top])]
+
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        return [[1.0, 0.0, 0.0] for _ in texts]
+
+
+@pytest.mark.parametrize("retrieval", [False, True], ids=["top1", "top_p"])
+async def test_where_the_classifier_chooses_none_the_deployment_it_replaces_serves(retrieval):
+    """A candidate holding the live expert once served the bare base model whenever its
+    classifier said "none", losing what the live agent already did well."""
+    live = {"kind": "static", "adapter": "refusal@1"}
+    spec = retrieval_spec(k=4) if retrieval else ClassifierRouter(None, THREE).spec
+    none = Letters({"N": 0.7, "A": 0.2, "B": 0.1})
+    assert await router_from_spec(spec, none).route(user("hello"), None) == Mixture()
+    router = router_from_spec({**spec, "fallback": live}, none)
+    assert await router.route(user("hello"), None) == Mixture.of("refusal@1")
+    assert router.spec["fallback"] == live and router_from_spec(router.spec, none).spec == router.spec
+    assert "fallback" not in router_from_spec(spec, none).spec  # a spec without one keeps its digest
+    # A clear choice is still the classifier's own.
+    sure = Letters({"A": 0.95, "N": 0.05})
+    assert await router_from_spec({**spec, "fallback": live}, sure).route(user("hello"), None) == Mixture.of(
+        "fmt@1"
+    )

@@ -132,7 +132,8 @@ class ClassifierRouter:
     ``threshold`` (hard top-1). With it (TRACE's router), the request's embedding retrieves
     the ``k`` most similar successful trajectories; their capabilities are the candidates,
     each shown with its retrieved trajectory, which keeps the choice small as capabilities
-    grow. If ``N`` is the most probable label the base model serves; otherwise the smallest
+    grow. If ``N`` is the most probable label ``fallback`` routes (else the base model
+    serves); otherwise the smallest
     set of labels whose probability exceeds ``top_p`` is kept, and the candidates in it are
     weighted by their probabilities. Decisions are cached by the request (the latest user
     message: tool turns do not change it), so a conversation keeps its mixture.
@@ -148,12 +149,13 @@ class ClassifierRouter:
         *,
         threshold: float = 0.5,
         retrieval: Retrieval | None = None,
+        fallback: Router | None = None,
         cache_size: int = 4096,
     ) -> None:
         if not experts or len(experts) > len(self.LETTERS):
             raise RouterSpecError(f"a classifier router needs between 1 and {len(self.LETTERS)} experts")
         self.backend, self.experts = backend, list(experts)
-        self.threshold, self.retrieval = threshold, retrieval
+        self.threshold, self.retrieval, self.fallback = threshold, retrieval, fallback
         self._by_name = {e.name: e for e in self.experts}
         self._corpus = [(_unit(e.embedding), e) for e in retrieval.corpus] if retrieval else []
         self._decisions = _Decisions(cache_size)
@@ -161,6 +163,7 @@ class ClassifierRouter:
             experts=[ExpertEntry(adapter=e.adapter, name=e.name, description=e.description) for e in experts],
             threshold=threshold,
             retrieval=retrieval,
+            fallback=parse_router_spec(fallback.spec) if fallback is not None else None,
         ).to_dict()
 
     async def candidates(self, request: str) -> list[tuple[ExpertChoice, CorpusEntry | None]]:
@@ -236,6 +239,8 @@ class ClassifierRouter:
         letters = self.LETTERS[: len(candidates)]
         probabilities = self.probabilities((completion.top_logprobs or [{}])[0], letters)
         choice = self.decide(probabilities, [expert.adapter for expert, _ in candidates])
+        if not choice.weights and self.fallback is not None:
+            choice = await self.fallback.route(messages, tools)
         self._decisions.put(request, choice)
         return choice
 
@@ -348,7 +353,10 @@ def router_from_spec(spec: RouterSpec | dict[str, Any], backend: Backend) -> Rou
             return KeywordRouter(model.rules, model.default)
         if isinstance(model, ClassifierSpec):
             experts = [ExpertChoice(e.adapter, e.name, e.description) for e in model.experts]
-            return ClassifierRouter(backend, experts, threshold=model.threshold, retrieval=model.retrieval)
+            fallback = router_from_spec(model.fallback, backend) if model.fallback is not None else None
+            return ClassifierRouter(
+                backend, experts, threshold=model.threshold, retrieval=model.retrieval, fallback=fallback
+            )
         return GateRouter(
             backend, model.choices, model.mean, model.scale, model.projection, model.weight, model.bias
         )

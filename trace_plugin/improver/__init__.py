@@ -1,6 +1,6 @@
 """The improver: an agent that gets better from its own production traffic, unattended.
 
-One cycle runs mine → synthesize → train → route → evaluate → verdict → deploy. Every unit of
+One cycle runs mine → synthesize → screen → train → route → evaluate → verdict → deploy. Every unit of
 work is a :class:`~trace_plugin.records.job.Job` in the store, so a process killed at any
 point resumes the same cycle where it stopped, without training or deploying anything twice:
 expert ids, adapter names and deployment ids are all derived from the cycle id. A lease
@@ -16,7 +16,7 @@ deployment's and rolls back when it fell.
 
 - :mod:`.config`: :class:`ImproverConfig` and the seed ranges;
 - :mod:`.outputs`: each stage's typed output, stored as ``Job.outputs``;
-- :mod:`.stages`: mine, synthesize, train, route, deploy;
+- :mod:`.stages`: mine, synthesize, screen, train, route, deploy;
 - :mod:`.evaluation`: evaluate and the verdict;
 - :mod:`.monitor`: the triggers and rollback;
 - :mod:`.loop`: :class:`Improver`, the lease, the jobs and the cycle.
@@ -34,6 +34,7 @@ from trace_plugin.improver.outputs import (
     Mined,
     Routing,
     Scores,
+    Screened,
     Summary,
     Synthesized,
     TargetScores,
@@ -59,6 +60,7 @@ __all__ = [
     "Mined",
     "Routing",
     "Scores",
+    "Screened",
     "Summary",
     "Synthesized",
     "TargetScores",

@@ -21,7 +21,15 @@ from trace_plugin.environments.runner import ChatLoopAgent, EpisodeResult, Runne
 from trace_plugin.environments.synthesis import CapturedInterface
 from trace_plugin.improver.config import HELD_OUT_SEEDS, ImproverConfig
 from trace_plugin.improver.errors import ConfigError
-from trace_plugin.improver.outputs import Evaluation, Routing, Scores, Summary, TargetScores, Verdict
+from trace_plugin.improver.outputs import (
+    Evaluation,
+    Routing,
+    Scores,
+    Screened,
+    Summary,
+    TargetScores,
+    Verdict,
+)
 from trace_plugin.mining.detectors import Trajectory
 from trace_plugin.mining.kinds import label_episode
 from trace_plugin.mining.selection import Label
@@ -34,19 +42,30 @@ if TYPE_CHECKING:
     from trace_plugin.store import Store
 
 
-async def evaluate(improver: Improver, cycle: str, experts: dict[str, str], routing: Routing) -> Evaluation:
-    """Score the candidate router and its experts against the live deployment, through the gateway."""
+async def evaluate(
+    improver: Improver,
+    cycle: str,
+    experts: dict[str, str],
+    routing: Routing,
+    screened: Mapping[str, Screened] | None = None,
+) -> Evaluation:
+    """Score the candidate router and its experts against the live deployment, through the
+    gateway. Where ``screened`` already played the live agent on a capability's held-out
+    seeds (before training: the live agent has not changed since), that is its score."""
     config, console = improver.config, improver.console
-    live = improver.live()
     adapters = await improver._load_candidates(experts)  # again: the gateway may have restarted
     await improver.gateway.set_router(routing.router, name=cycle)
+    live = await improver.live_model()
     capabilities: dict[str, Scores] = {}
     for capability, name in adapters.items():
         spec = improver.spec(capability, experts)
         seeds = list(HELD_OUT_SEEDS[: config.eval_seeds])
-        base = mean_reward(await improver._play_spec(spec, "base", seeds))
-        candidate = mean_reward(await improver._play_spec(spec, name, seeds))
-        current = mean_reward(await improver._play_spec(spec, "default", seeds)) if live else base
+        before = (screened or {}).get(capability)
+        scored = {before.served: before.mean_reward} if before is not None else {}
+        for model in ("base", live, name):
+            if model not in scored:
+                scored[model] = mean_reward(await improver._play_spec(spec, model, seeds))
+        base, current, candidate = scored["base"], scored[live], scored[name]
         capabilities[capability] = Scores(base=base, current=current, candidate=candidate)
         console.log(f"{capability}: base {base:.2f}, live {current:.2f}, candidate {candidate:.2f}")
     target = None

@@ -25,6 +25,7 @@ from trace_plugin.improver.outputs import (
     Mined,
     Output,
     Routing,
+    Screened,
     Summary,
     Synthesized,
     Trained,
@@ -127,7 +128,8 @@ class Improver:
         agent = self.config.agent
         mined: Mined = await self._job(cycle, "mine", "all", lambda: stages.mine(self))
         trained: dict[str, Trained] = {}
-        untrained: dict[str, str] = {}  # capability -> why its environment cannot train it
+        screened: dict[str, Screened] = {}
+        untrained: dict[str, str] = {}  # capability -> why it was not trained
         for capability in mined.train:
             if len(trained) == self.config.max_experts:
                 break
@@ -140,9 +142,16 @@ class Improver:
                 )
                 self.console.log(f"[yellow]{capability}: {untrained[capability]}; not trained[/]")
                 continue
+            screened[capability] = await self._job(cycle, "screen", capability, lambda e=env: self._screen(e))
+            if not screened[capability].train:  # its slot goes to the next capability
+                untrained[capability] = (
+                    f"the live agent already succeeds {screened[capability].success:.2f} in its environment"
+                )
+                continue
             trained[capability] = await self._job(
                 cycle, "train", capability, lambda c=capability, e=env: stages.train(self, cycle, c, e)
             )
+        live_scores = {capability: s.success for capability, s in screened.items()}
         # A no-op expert is the base model again: evaluating it would change nothing.
         experts = {capability: t.expert for capability, t in trained.items() if not t.noop}
         if not experts:
@@ -153,10 +162,11 @@ class Improver:
                 if untrained
                 else "nothing to train"
             )
-            return self._finish(cycle, CycleEnd(deployed=None, reason=reason, trained=trained))
+            end = CycleEnd(None, reason, trained, live_scores=live_scores, passed_over=untrained)
+            return self._finish(cycle, end)
         routing: Routing = await self._job(cycle, "route", "all", lambda: self._route(experts))
         scores: Evaluation = await self._job(
-            cycle, "evaluate", "all", lambda: evaluation.evaluate(self, cycle, experts, routing)
+            cycle, "evaluate", "all", lambda: evaluation.evaluate(self, cycle, experts, routing, screened)
         )
         verdict: Verdict = await self._job(cycle, "verdict", "all", lambda: self._judge(scores))
         # Recorded "rejected" until the deploy stage makes it live (a resumed cycle finds it).
@@ -183,6 +193,8 @@ class Improver:
             reason=None if verdict.accept else "; ".join(verdict.reasons),
             trained=trained,
             router=routing.router,
+            live_scores=live_scores,
+            passed_over=untrained,
         )
         return self._finish(cycle, end)
 
@@ -229,6 +241,9 @@ class Improver:
     async def _synthesize(self, capability: str) -> Synthesized:
         return await stages.synthesize(self, capability)
 
+    async def _screen(self, env: Synthesized) -> Screened:
+        return await stages.screen(self, env)
+
     async def _load_candidates(self, experts: dict[str, str]) -> dict[str, str]:
         return await stages.load_candidates(self, experts)
 
@@ -268,7 +283,7 @@ class Improver:
         seeds = list(self.config.target_seeds if seeds is None else seeds)
 
         async def measure() -> Summary:
-            return evaluation.summary(await self.evaluator("default", seeds))
+            return evaluation.summary(await self.evaluator(await self.live_model(), seeds))
 
         return await self._job(
             "evaluations", "target", evaluation.live_key(live.id if live else None, seeds), measure
@@ -292,6 +307,15 @@ class Improver:
         """The agent's live deployment, if any."""
         live = self.store.deployments(self.config.agent, status="live")
         return live[-1] if live else None
+
+    async def live_model(self) -> str:
+        """The model name the live deployment answers to alone: its router, registered on
+        the gateway under its id (``default`` would split a canary's traffic), or ``base``."""
+        live = self.live()
+        if live is None:
+            return "base"
+        await self.gateway.set_router(live.router, name=live.id)
+        return f"router:{live.id}"
 
     def canary(self) -> Deployment | None:
         """The agent's deployment on trial beside the live one, if any."""

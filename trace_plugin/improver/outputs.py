@@ -76,6 +76,18 @@ class Synthesized(Output):
 
 
 @dataclass(frozen=True)
+class Screened(Output):
+    """The live agent in a capability's new environment, before anything is trained for it:
+    a capability is trained only where the agent as it serves now still fails."""
+
+    stage: ClassVar[str] = "screen"
+    served: str  # the model name the live agent was played as ("base" when nothing is live)
+    success: float  # on the environment's held-out seeds
+    mean_reward: float
+    train: bool  # success below the config's retrain_below
+
+
+@dataclass(frozen=True)
 class Trained(Output):
     """An expert the cycle trained: ``GatewayAdmin.ensure_adapter(adapter_name, adapter)``
     loads it into a gateway whatever the cycle then made of it."""
@@ -189,6 +201,9 @@ class CycleEnd(Output):
     reason: str | None = field(default=None, metadata=OMIT_NONE)
     trained: dict[str, Trained] = field(default_factory=dict)  # capability -> its expert
     router: RouterSpec | None = field(default=None, metadata=OMIT_NONE)
+    # capability -> the live agent's success in its new environment, trained or not
+    live_scores: dict[str, float] = field(default_factory=dict)
+    passed_over: dict[str, str] = field(default_factory=dict)  # capability -> why it was not trained
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CycleEnd:
@@ -198,11 +213,16 @@ class CycleEnd(Output):
             data.get("reason"),
             {c: Trained.from_dict(t) for c, t in data.get("trained", {}).items()},
             parse_router_spec(router) if router is not None else None,
+            dict(data.get("live_scores", {})),
+            dict(data.get("passed_over", {})),
         )
 
 
 # What a done job of each stage holds, for a resumed cycle to read back.
 OUTPUTS: dict[str, type[Output]] = {
     o.stage: o
-    for o in (Mined, Synthesized, Trained, Routing, Evaluation, Verdict, Deployed, Summary, CycleEnd)
+    for o in (
+        *(Mined, Synthesized, Screened, Trained, Routing),
+        *(Evaluation, Verdict, Deployed, Summary, CycleEnd),
+    )
 }

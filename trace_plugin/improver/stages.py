@@ -1,4 +1,4 @@
-"""The stages of a cycle that build a candidate: mine, synthesize, train, route; and deploy.
+"""The stages of a cycle that build a candidate: mine, synthesize, screen, train, route; and deploy.
 
 Each takes the improver (its store, config and gateway) and typed inputs, and returns the
 typed output (:mod:`trace_plugin.improver.outputs`) its job stores. Every stage is
@@ -26,12 +26,13 @@ from trace_plugin.improver.config import (
     ImproverConfig,
 )
 from trace_plugin.improver.errors import DeployError, ImproverError
-from trace_plugin.improver.evaluation import reply_tokens
-from trace_plugin.improver.outputs import Deployed, GateFit, Mined, Routing, Synthesized, Trained
+from trace_plugin.improver.evaluation import mean_reward, reply_tokens
+from trace_plugin.improver.outputs import Deployed, GateFit, Mined, Routing, Screened, Synthesized, Trained
 from trace_plugin.mining.miner import OfflineMiner
 from trace_plugin.records.deployment import Deployment
 from trace_plugin.records.env_spec import EnvSpec, SpecError
 from trace_plugin.records.expert import Expert
+from trace_plugin.records.outcome import reward_succeeds
 from trace_plugin.records.router_spec import (
     CanarySpec,
     ClassifierSpec,
@@ -49,15 +50,17 @@ if TYPE_CHECKING:
 
 def mine(improver: Improver) -> Mined:
     """Mine the traffic the live deployment served (all of it before the first), and list
-    the selected capabilities it lacks, best first: each cycle looks for the improved agent's
-    next deficit, not for the failures an earlier cycle already answered. The cycle trains up
-    to ``max_experts`` of them; one whose environment cannot train takes no place."""
+    the selected capabilities to try, best first, those no live expert covers before those
+    one does: each cycle looks for the improved agent's next deficit, not for the failures an
+    earlier cycle already answered. The cycle trains up to ``max_experts`` of them; one whose
+    environment cannot train, or that the live agent already solves (:func:`screen`), takes
+    no place."""
     live = improver.live()
     since = live.updated_at if live else None  # when it went live
     capabilities = OfflineMiner(improver.store).mine(improver.config.agent, since=since)
     selected = [c.name for c in capabilities if c.selected]
     covered = set(live.adapters) if live else set()
-    train = [c for c in selected if c not in covered]
+    train = sorted(selected, key=lambda c: c in covered)  # stable: best first within each
     most = improver.config.max_experts
     improver.console.log(f"selected {selected or 'nothing'}; training up to {most} of {train or 'nothing'}")
     run = capabilities[0].mining_run if capabilities else None
@@ -106,6 +109,30 @@ async def synthesize(improver: Improver, capability: str) -> Synthesized:
         f"{record.spec.name} v{record.version}: {record.status}" + (f"; {verdict}" if verdict else "")
     )
     return Synthesized(env=record.spec.name, version=record.version, status=record.status)
+
+
+async def screen(improver: Improver, env: Synthesized) -> Screened:
+    """The live agent, as it serves now, in the capability's new environment: trained only
+    if it still fails there (success below ``retrain_below``). Selection reads the base
+    model's failures in old traffic; this asks whether they are still the agent's."""
+    config = improver.config
+    record = improver.store.env_spec(env.env, env.version)
+    if record is None:
+        raise ImproverError(f"environment {env.env} v{env.version} is not in the store")
+    served = await improver.live_model()
+    results = await improver._play_spec(record.spec, served, HELD_OUT_SEEDS[: config.eval_seeds])
+    success = sum(reward_succeeds(r.reward.total) for r in results) / len(results)
+    screened = Screened(
+        served=served,
+        success=success,
+        mean_reward=mean_reward(results),
+        train=success < config.retrain_below,
+    )
+    improver.console.log(
+        f"{env.env}: the live agent ({served}) succeeds {success:.2f}"
+        + ("" if screened.train else f", not below {config.retrain_below}: nothing to teach")
+    )
+    return screened
 
 
 def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> Trained:
@@ -216,7 +243,17 @@ async def route(improver: Improver, experts: dict[str, str]) -> Routing:
                 )
                 improver.store.save_expert(expert)
             corpus += expert.corpus
-    return Routing(router=router_spec(adapters, improver.store, config.agent, corpus, top_p=config.top_p))
+    live = improver.live()
+    return Routing(
+        router=router_spec(
+            adapters,
+            improver.store,
+            config.agent,
+            corpus,
+            top_p=config.top_p,
+            fallback=live.router if live is not None else None,
+        )
+    )
 
 
 async def retrieval_corpus(
@@ -274,9 +311,11 @@ def router_spec(
     corpus: list[CorpusEntry] | None = None,
     *,
     top_p: float = 0.9,
+    fallback: dict[str, Any] | None = None,
 ) -> RouterSpec:
     """One expert takes every request; several are chosen by the base model as classifier,
-    over the candidates ``corpus`` retrieves and weighted by top-p (without one: hard top-1)."""
+    over the candidates ``corpus`` retrieves and weighted by top-p (without one: hard top-1),
+    and where it chooses none ``fallback`` (the live router) decides, not the bare base model."""
     names = {capability: split_name(name)[0] for capability, name in adapters.items()}
     if len(names) == 1:
         return StaticSpec(adapter=next(iter(names.values())))
@@ -285,8 +324,8 @@ def router_spec(
         ExpertEntry(adapter=n, name=c, description=descriptions.get(c, c)) for c, n in sorted(names.items())
     ]
     if corpus is None:
-        return ClassifierSpec(experts=experts, threshold=0.5)
-    return ClassifierSpec(experts=experts, retrieval=Retrieval(corpus=corpus, top_p=top_p))
+        return ClassifierSpec(experts=experts, threshold=0.5, fallback=fallback)
+    return ClassifierSpec(experts=experts, retrieval=Retrieval(corpus=corpus, top_p=top_p), fallback=fallback)
 
 
 async def deploy(improver: Improver, deployment: Deployment) -> Deployed:

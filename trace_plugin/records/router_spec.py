@@ -9,7 +9,8 @@ turns a spec into a router. A spec is one of five kinds, told apart by ``kind``:
 - ``{"kind": "classifier", "experts": [{"adapter", "name", "description"}], "threshold"}``:
   the base model as classifier, hard top-1; with ``"retrieval": {"corpus", "k", "top_p"}``
   it is TRACE's: the most similar successful trajectories pick the candidates, and the
-  label probabilities, nucleus-filtered, weigh a mixture of them;
+  label probabilities, nucleus-filtered, weigh a mixture of them; with ``"fallback": SPEC``,
+  that router (the deployment it replaces) decides where the classifier chooses none;
 - ``{"kind": "gate", "choices": [null, NAME, ...], "mean", "scale", "projection", "weight", "bias"}``:
   the paper's learned gate, a softmax per decoder layer over the base model and the
   experts, from the base model's embedding of the request;
@@ -119,13 +120,16 @@ class Retrieval(BaseModel):
 
 class ClassifierSpec(_Spec):
     """The base model as classifier over ``experts``: hard top-1 above ``threshold``, or with
-    ``retrieval`` a weighted mixture of the retrieved candidates (``threshold`` unused)."""
+    ``retrieval`` a weighted mixture of the retrieved candidates (``threshold`` unused).
+    Where it chooses none, ``fallback`` routes (the deployment it replaces), else the base
+    model serves: a new candidate never loses what the live agent already does well."""
 
     kind: Literal["classifier"] = "classifier"
     experts: list[ExpertEntry]
     threshold: float = 0.5
-    # Absent from the wire form when unset, so a top-1 spec keeps the digest it always had.
+    # Absent from the wire form when unset, so a spec without them keeps the digest it had.
     retrieval: Retrieval | None = Field(None, exclude_if=lambda value: value is None)
+    fallback: RoutingSpec | None = Field(None, exclude_if=lambda value: value is None)
 
     @model_validator(mode="after")
     def _corpus_fits_the_experts(self) -> ClassifierSpec:
@@ -138,7 +142,7 @@ class ClassifierSpec(_Spec):
         return self
 
     def adapters(self) -> list[str | None]:
-        return [e.adapter for e in self.experts]
+        return [e.adapter for e in self.experts] + (self.fallback.adapters() if self.fallback else [])
 
 
 class GateSpec(_Spec):
@@ -163,6 +167,7 @@ class GateSpec(_Spec):
 
 # A router that routes by itself; a canary splits traffic between two of them.
 RoutingSpec = Annotated[StaticSpec | KeywordSpec | ClassifierSpec | GateSpec, Field(discriminator="kind")]
+ClassifierSpec.model_rebuild()  # its fallback is a RoutingSpec
 
 
 class CanarySpec(_Spec):
