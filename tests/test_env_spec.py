@@ -15,7 +15,7 @@ from trace_plugin.environments.retail import POLICY, TOOLS
 from trace_plugin.environments.synthesis import FAMILIES, Observations, synthesize
 from trace_plugin.environments.validation import Band, adjust, calibrate, check_policies
 from trace_plugin.mining.kinds import KINDS, FamilyName
-from trace_plugin.records.env_spec import EnvSpec, SpecError, parse_spec
+from trace_plugin.records.env_spec import WRITES, EnvSpec, SpecError, parse_spec
 from trace_plugin.records.expert import Expert
 from trace_plugin.records.router_spec import CorpusEntry
 from trace_plugin.store import Store
@@ -329,6 +329,20 @@ def test_partial_credit_rewards_a_call_of_the_right_tool_with_some_right_argumen
 def test_easing_never_drops_the_calls_that_are_the_capability(capability):
     for spec in _ladder(synthesize(capability, TOOLS, system_prompt=POLICY)):
         assert not spec.difficulty.single_step
+
+
+@pytest.mark.parametrize("capability", sorted(KINDS))
+def test_easing_keeps_the_writes_of_an_environment_whose_tickets_write(capability):
+    """Easing once kept the shortest tickets, again at every attempt: a writes environment
+    ended as one lookup, and precondition_verification as "read, don't write" tickets."""
+
+    def writing(spec: EnvSpec) -> list[str]:
+        writes = {t.name for t in spec.tools if t.behaviour in WRITES}
+        return [t.kind for t in spec.tasks if any(a.tool in writes for a in t.reference)]
+
+    spec = synthesize(capability, TOOLS, system_prompt=POLICY)
+    for step in _ladder(spec) if writing(spec) else ():
+        assert writing(step), f"{capability}: an easing step left no ticket that writes"
 
 
 def test_a_read_tool_that_needs_more_than_its_key_is_not_bound_as_a_lookup():

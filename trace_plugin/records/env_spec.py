@@ -48,6 +48,7 @@ PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]
 _DIGITS = re.compile(r"\{d(\d{1,2})\}")
 
 Behaviour = Literal["lookup", "list", "update", "create", "terminate", "compute", "respond"]
+WRITES: frozenset[Behaviour] = frozenset({"update", "create"})  # the behaviours that change a table
 CheckKind = Literal[
     "valid_calls", "required_calls", "arguments", "order", "forbidden", "final_state", "facts"
 ]
