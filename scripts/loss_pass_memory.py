@@ -1,8 +1,9 @@
 """Peak resident memory of one GRPO loss pass, forward and backward: a group of four rollouts
-of SmolLM2-135M in bf16 with the default LoRA, a shared 1,400-token prompt and 1,000-token
-completions (a multi-turn retail rollout's shape). The README's memory figures come from it.
+of SmolLM2-135M (bf16 where the CPU computes it natively) with the default LoRA, a shared
+1,400-token prompt and 1,000-token completions (a multi-turn retail rollout's shape). The
+README's memory figures come from it.
 
-    .venv/bin/python scripts/loss_pass_memory.py [--keep-activations] [--tail TOKENS]
+    .venv/bin/python scripts/loss_pass_memory.py [--keep-activations] [--tail TOKENS] [--precision P]
 
 Run it alone: the figure is the process's peak, and glibc's heap keeps what it freed
 (``MALLOC_MMAP_THRESHOLD_=131072`` in its environment shows how much of it is fragmentation).
@@ -15,14 +16,18 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trace_plugin.model_files import Precision  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep-activations", action="store_true", help="no layer replayed in backward")
     parser.add_argument("--tail", type=int, default=1000, help="completion tokens per rollout")
+    parser.add_argument("--precision", choices=get_args(Precision), default="auto", help="as training's")
     args = parser.parse_args()
 
     import torch
@@ -33,7 +38,7 @@ def main() -> None:
     from training.config import ExpertTrainingConfig
     from training.experts import shared_prefix_logps
 
-    model, _ = load_model(resolve_model(), precision="bfloat16")
+    model, _ = load_model(resolve_model(), precision=args.precision)
     model = get_peft_model(model, ExpertTrainingConfig().lora_config())
     add_fused_lm_head(model.get_base_model(), temperature=1.0, outputs=("log_probs", "entropy"))
     model.train()  # as TRL trains it: layers replay only in training
