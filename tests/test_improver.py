@@ -23,6 +23,7 @@ from trace_plugin.records.router_spec import CorpusEntry
 from trace_plugin.records.trajectory import Episode, EpisodeEnd, new_id, utcnow
 from trace_plugin.store import Store
 from trace_plugin.store.lease import Lease, LeaseHeld
+from training.config import ExpertTrainingConfig
 
 HOLD = """
 import sys, time
@@ -662,33 +663,57 @@ def test_transfer_compares_base_and_expert_on_the_tasks_whose_capability_the_bas
     assert row == {"tasks": len(lacking), "base": 0.0, "expert": 1.0}
 
 
-def test_an_expert_trains_with_the_reply_length_its_environments_reference_plays_need(sqlite_url, tmp_path):
-    """Not the preset's fixed guess: the stage derives it from the environment, as
-    calibration and held-out play do (``evaluation.reply_tokens``)."""
-    from trace_plugin.environments.interpreter import reply_budget
+def test_an_expert_trains_with_the_reply_length_and_horizon_its_environment_needs(
+    sqlite_url, tmp_path, monkeypatch
+):
+    """Not the preset's fixed guesses: the stage derives them from the environment, as
+    calibration and held-out play do (``evaluation.reply_tokens``, ``episode_turns``): the
+    target's stated horizon, never fewer turns than its longest reference play takes (a
+    preset of 3 once cut off the target's 4- and 5-turn writes). What ``training`` sets is
+    honoured, not silently replaced."""
+    from trace_plugin.environments.interpreter import reply_budget, turn_budget
     from trace_plugin.environments.retail import POLICY, TOOLS
     from trace_plugin.environments.synthesis import synthesize
     from trace_plugin.improver import Synthesized, stages
     from trace_plugin.model_files import load_tokenizer
 
+    (tmp_path / "short_target.py").write_text(
+        "from trace_plugin.environments.base import Target\n"
+        "from trace_plugin.environments.retail import RetailEnv\n"
+        "SHORT = Target('short', RetailEnv, [1, 2], max_turns=1)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
     store = Store(sqlite_url)
     store.upgrade()
-    spec = synthesize("tool_call_format", TOOLS, system_prompt=POLICY)
+    spec = synthesize("multi_step_completion", TOOLS, system_prompt=POLICY)
     record = store.save_env_spec("a", spec, "validated", {})
-    jobs: list = []
+    env = Synthesized(env=spec.name, version=record.version, status="validated")
+    needed = turn_budget(spec)
+    assert 1 < needed < 6
 
     class Captured(Exception):
         pass
 
-    class Capture:
-        def run(self, given: list) -> list:
-            jobs.extend(given)
-            raise Captured
+    def trained_with(**options) -> dict:
+        jobs: list = []
 
-    config = ImproverConfig("a", "http://127.0.0.1:9", tmp_path, training={"max_completion_length": 48})
-    improver = Improver(store, config, executor=Capture())
-    env = Synthesized(env=spec.name, version=record.version, status="validated")
-    with pytest.raises(Captured):
-        stages.train(improver, "c1", "tool_call_format", env)
-    [job] = jobs
-    assert job.config["max_completion_length"] == reply_budget(spec, load_tokenizer()) > 48
+        class Capture:
+            def run(self, given: list) -> list:
+                jobs.extend(given)
+                raise Captured
+
+        improver = Improver(
+            store, ImproverConfig("a", "http://127.0.0.1:9", tmp_path, **options), executor=Capture()
+        )
+        with pytest.raises(Captured):
+            stages.train(improver, "c1", "multi_step_completion", env)
+        return jobs[0].config
+
+    derived = trained_with(target="retail")
+    assert derived["max_completion_length"] == reply_budget(spec, load_tokenizer())
+    assert derived["max_turns"] == 6  # retail's stated horizon
+    assert trained_with(target="short_target:SHORT")["max_turns"] == needed  # never below the plays
+    pinned = trained_with(target="retail", training={"max_completion_length": 48, "max_turns": 2})
+    assert (pinned["max_completion_length"], pinned["max_turns"]) == (48, 2)
+    config = ImproverConfig("a", "http://x", tmp_path, training=ExpertTrainingConfig(max_turns=4))
+    assert config.pinned == {"max_turns"}

@@ -34,7 +34,8 @@ def test_an_evaluator_plays_the_tasks_of_the_target_the_config_names(sqlite_url,
 
     config = ImproverConfig("a", URL, tmp_path, target="retail", target_tasks=2)
     summary = asyncio.run(Improver(store, config, evaluator=evaluator).live_summary())
-    assert played == [("default", list(TEST_SEEDS)[:2])] and summary.n == 0
+    # Nothing is live: the live agent is the base model, played by that name.
+    assert played == [("base", list(TEST_SEEDS)[:2])] and summary.n == 0
 
 
 def test_a_target_or_seeds_that_cannot_be_played_are_refused_before_any_cycle(sqlite_url, tmp_path):

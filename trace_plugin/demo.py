@@ -50,10 +50,10 @@ from trace_plugin.store import Store, data_dir
 AGENT = "support-agent"
 EVAL_AGENT = f"eval:{AGENT}"
 # How the demo's improver trains its experts, on top of the cpu-small preset. Half the rollouts
-# see a worked example: the base model rarely calls a tool without one. The longest ticket of
-# its environments takes two calls and an answer: three turns. A reply's length comes from
-# each environment's reference plays.
-EXPERT_TRAINING: dict[str, Any] = {"hint_fraction": 0.5, "max_turns": 3}
+# see a worked example: the base model rarely calls a tool without one. The horizon is the
+# target's (retail's six turns) and a reply's length comes from each environment's reference
+# plays: the target's writes take four or five turns, and a preset of three cut them off.
+EXPERT_TRAINING: dict[str, Any] = {"hint_fraction": 0.5}
 
 
 class DemoError(TracePluginError):

@@ -146,11 +146,8 @@ def chat_player(base_url: str, model: str, *, agent: str, temperature: float = 1
     from trace_plugin.records.trajectory import new_episode_id
 
     examples = list(options.pop("examples", ()))
-    # A reply's length: a number, or one per environment (from its reference plays).
-    max_tokens = options.pop("max_tokens", None)
-
-    def length(env: SpecEnv) -> int | None:
-        return max_tokens(env.spec) if callable(max_tokens) else max_tokens
+    # A reply's length and the horizon: numbers, or one per environment (from its reference plays).
+    per_spec = {key: options.pop(key) for key in ("max_tokens", "max_turns") if key in options}
 
     async def play(env: SpecEnv, seed: int) -> float:
         assert env.task is not None
@@ -161,7 +158,7 @@ def chat_player(base_url: str, model: str, *, agent: str, temperature: float = 1
             temperature=temperature,
             examples=[*examples, *env.hint_messages],
             **options,
-            **({"max_tokens": tokens} if (tokens := length(env)) else {}),
+            **{key: value(env.spec) if callable(value) else value for key, value in per_spec.items()},
         )
         try:
             answer = await loop.solve(env, env.task, new_episode_id())

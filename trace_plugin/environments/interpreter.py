@@ -324,6 +324,18 @@ def reply_budget(spec: EnvSpec, tokenizer: Any, seeds: Sequence[int] = range(32)
     return longest + longest // 4 + 8
 
 
+def turn_budget(spec: EnvSpec, seeds: Sequence[int] = range(32)) -> int:
+    """Model turns the longest reference play of ``spec`` on ``seeds`` takes: a turn per
+    round of calls, and one to answer the user. Below it, a play is cut short (the warm start
+    drops it, and a rollout cannot succeed): a horizon never goes under it."""
+    longest = 1
+    for seed in seeds:
+        metadata = SpecEnv(spec).reset(seed).metadata
+        answered = reference_answer(metadata) is not None
+        longest = max(longest, len(reference_turns(metadata)) + answered)
+    return longest
+
+
 def reference_play(spec: EnvSpec, seed: int) -> tuple[str, str] | None:
     """A successful trajectory of ``spec`` on ``seed``, as a router retrieves it: the request,
     and the reference calls that solve it as text; None when the task is unsatisfiable."""

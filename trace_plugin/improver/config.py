@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, cast, get_args
 
@@ -26,7 +26,10 @@ class ImproverConfig:
     """What the improver watches, how hard it trains, and how careful it deploys.
 
     ``training`` is the :class:`~training.config.ExpertTrainingConfig` experts train with;
-    given as a mapping, it holds overrides of the ``preset`` (and becomes that config).
+    given as a mapping, it holds overrides of the ``preset`` (and becomes that config). The
+    horizon (``max_turns``) and reply length (``max_completion_length``) are derived per
+    environment, from the target's stated horizon and the environment's reference plays,
+    unless ``training`` sets them (``pinned``): then they are honoured.
 
     ``target`` names a :class:`~trace_plugin.environments.Target` (or, with ``target_seeds``
     given, a synthesized environment): without ``target_seeds`` they are the first
@@ -82,6 +85,9 @@ class ImproverConfig:
     canary_deadline: float = 86_400.0  # seconds a trial may take to fill its window
     max_tokens: int = 160
     lease_ttl: float = 30.0  # on SQLite, how long a killed improver keeps others out
+    # The training settings ``training`` set, apart from the preset's: honoured where the
+    # improver would otherwise derive them per environment.
+    pinned: frozenset[str] = field(init=False, default=frozenset())
 
     def __post_init__(self) -> None:
         # Absolute: experts are loaded by their stored path, which a gateway would resolve
@@ -99,7 +105,13 @@ class ImproverConfig:
             )
         if self.router not in get_args(Router):
             raise ConfigError("router", f"router must be one of {get_args(Router)}, not {self.router!r}")
-        if not isinstance(self.training, ExpertTrainingConfig):
+        preset = ExpertTrainingConfig.preset(self.preset)
+        if isinstance(self.training, ExpertTrainingConfig):
+            self.pinned = frozenset(
+                f.name for f in fields(preset) if getattr(self.training, f.name) != getattr(preset, f.name)
+            )
+        else:
+            self.pinned = frozenset(self.training)
             self.training = ExpertTrainingConfig.preset(self.preset, **dict(self.training))
         if self.target is not None and not self.target_seeds:
             self.target_seeds = target_seeds(self.target, self.target_tasks)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from trace_plugin.environments.base import Environment
 from trace_plugin.environments.catalog import env_factory, target_turns
-from trace_plugin.environments.interpreter import SpecEnv, reply_budget
+from trace_plugin.environments.interpreter import SpecEnv, reply_budget, turn_budget
 from trace_plugin.environments.runner import ChatLoopAgent, EpisodeResult, Runner
 from trace_plugin.environments.synthesis import CapturedInterface
 from trace_plugin.improver.config import HELD_OUT_SEEDS, ImproverConfig
@@ -127,9 +127,23 @@ def mean_reward(results: Sequence[EpisodeResult]) -> float:
 
 
 def reply_tokens(config: ImproverConfig, spec: EnvSpec) -> int:
-    """How many tokens a reply in ``spec`` may take: from its reference plays, in the served
-    model's tokens. One source for calibration, training and held-out play."""
+    """How many tokens a reply in ``spec`` may take: the ``max_completion_length`` that
+    ``training`` sets, else from its reference plays, in the served model's tokens. One
+    source for calibration, training and held-out play."""
+    if "max_completion_length" in config.pinned:
+        return config.expert_training.max_completion_length
     return reply_budget(spec, load_tokenizer(config.model))
+
+
+def episode_turns(config: ImproverConfig, spec: EnvSpec) -> int:
+    """Model turns an episode in ``spec`` may take: the ``max_turns`` that ``training`` sets,
+    else the target's stated horizon (or the preset's), and never fewer than the longest
+    reference play needs: no play is cut for a preset's sake. One source for calibration,
+    training and held-out play."""
+    if "max_turns" in config.pinned:
+        return config.expert_training.max_turns
+    stated = target_turns(config.target) if config.target is not None else None
+    return max(stated or config.expert_training.max_turns, turn_budget(spec))
 
 
 async def play_spec(
@@ -142,7 +156,7 @@ async def play_spec(
         model,
         agent=f"eval:{config.agent}",
         max_tokens=reply_tokens(config, spec),  # as the expert was trained
-        max_turns=config.expert_training.max_turns,  # the horizon the expert was trained on
+        max_turns=episode_turns(config, spec),  # the horizon the expert was trained on
         examples=improver.examples(),
         recorder=improver.recorder,
     )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from trace_plugin.chat_template import gate_input
 from trace_plugin.environments.base import task_keys
 from trace_plugin.environments.catalog import chat_player, env_factory, prepare_environment
-from trace_plugin.environments.interpreter import SpecEnv, reference_play
+from trace_plugin.environments.interpreter import SpecEnv, reference_play, turn_budget
 from trace_plugin.environments.validation import Band
 from trace_plugin.gateway.adapters import split_name
 from trace_plugin.improver.config import (
@@ -26,7 +26,7 @@ from trace_plugin.improver.config import (
     ImproverConfig,
 )
 from trace_plugin.improver.errors import DeployError, ImproverError
-from trace_plugin.improver.evaluation import mean_reward, reply_tokens
+from trace_plugin.improver.evaluation import episode_turns, mean_reward, reply_tokens
 from trace_plugin.improver.outputs import Deployed, GateFit, Mined, Routing, Screened, Synthesized, Trained
 from trace_plugin.mining.miner import OfflineMiner
 from trace_plugin.records.deployment import Deployment
@@ -86,7 +86,7 @@ async def synthesize(improver: Improver, capability: str) -> Synthesized:
                 "base",
                 agent=f"calibration:{config.agent}",
                 max_tokens=lambda spec: reply_tokens(config, spec),  # as training will generate
-                max_turns=training.max_turns,
+                max_turns=lambda spec: episode_turns(config, spec),
                 examples=improver.examples(),
                 recorder=improver.recorder,
             )
@@ -146,10 +146,17 @@ def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> 
         raise ImproverError(f"environment {env.env} v{env.version} is not in the store")
     expert_id = derived_id(cycle, capability)
     output = config.adapter_root / capability / expert_id
-    # A reply's length comes from the environment's reference plays, as calibration's did.
+    # A reply's length and the horizon come from the environment, as calibration's did.
     training = improver.training_config(
-        output_dir=str(output), max_completion_length=reply_tokens(config, record.spec)
+        output_dir=str(output),
+        max_completion_length=reply_tokens(config, record.spec),
+        max_turns=episode_turns(config, record.spec),
     )
+    if training.max_turns < turn_budget(record.spec):
+        improver.console.log(
+            f"[yellow]{capability}: max_turns {training.max_turns}, as training sets it, is fewer than "
+            f"its longest reference play needs ({turn_budget(record.spec)}): longer plays are dropped[/]"
+        )
     expert = store.expert(expert_id) or Expert(
         config.agent,
         capability,

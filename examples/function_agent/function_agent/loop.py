@@ -103,7 +103,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "rollout_budget": args.rollouts,
                 "warm_start_plays": args.plays,
                 "hint_fraction": 0.5,
-                "max_turns": 2,
             },
             eval_seeds=args.eval_seeds,
         ),

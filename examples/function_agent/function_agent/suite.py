@@ -154,4 +154,4 @@ def _mentions(answer: str, expected: str) -> bool:
     return any(abs(float(n.replace(",", "")) - value) < 0.01 for n in numbers)
 
 
-TARGET = Target("functions", FunctionsEnv, TEST_SEEDS)
+TARGET = Target("functions", FunctionsEnv, TEST_SEEDS, max_turns=3)  # as the agent serves
