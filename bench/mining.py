@@ -44,7 +44,7 @@ def main() -> None:
 
     capabilities = mine_episodes(corpus(list(TRAIN_SEEDS)[:planted_seeds]))
     selected = {c.name for c in capabilities if c.selected}
-    planted = set(PLANTED.values())
+    planted = {kind for kinds in PLANTED.values() for kind in kinds}
     precision = len(selected & planted) / len(selected) if selected else 0.0
     recall = len(selected & planted) / len(planted)
     table = Table(title=f"Planted deficits ({planted_seeds} seeds x {len(PLANTED) + 2} policies)")

@@ -82,6 +82,56 @@ def test_attempting_what_the_policy_forbids_vs_refusing():
     assert refused["policy_refusal"] is P and refused["multi_step_completion"] is P
 
 
+def test_a_write_refused_for_a_skipped_precondition_is_not_a_policy_refusal():
+    """ "identify the user before changing an order" means a step was skipped, not that the
+    policy forbids the change: it was once labelled a policy refusal, and a refused write
+    counted as the request carried through."""
+    task = task_of("cancel")
+    _find, look, cancel = task.metadata["reference"]
+    labels = label_episode(converse(task.seed, [look, cancel], "Sorry, I cannot cancel it."))
+    assert labels["precondition_verification"] is L and labels["policy_refusal"] is NA
+    assert labels["multi_step_completion"] is L and labels["write_completion"] is L
+
+
+def test_write_completion_reads_what_the_user_asked_for():
+    task = task_of("cancel")
+    find, look, cancel = task.metadata["reference"]
+    assert label_episode(converse(task.seed, [find, look, cancel], "Cancelled."))["write_completion"] is P
+    other = {
+        "name": "modify_address",
+        "arguments": {
+            "order_id": task.metadata["order_id"],
+            "address1": "1 Elm St",
+            "city": "Austin",
+            "zip": "78701",
+        },
+    }
+    wrong = label_episode(converse(task.seed, [find, look, other], "Done."))
+    assert (
+        wrong["write_completion"] is L and wrong["multi_step_completion"] is P
+    )  # it wrote, not what was asked
+    assert label_episode(converse(task.seed, [find, look], "Here is your order."))["write_completion"] is L
+    # The policy forbids it: declining, or a write the policy refused, is the policy's case.
+    forbidden = task_of("refuse_cancel")
+    find, look = forbidden.metadata["reference"]
+    declined = converse(forbidden.seed, [find, look], "Sorry, I cannot cancel a delivered order.")
+    assert label_episode(declined)["write_completion"] is NA
+    tried = {
+        "name": "cancel_order",
+        "arguments": {"order_id": forbidden.metadata["order_id"], "reason": "no longer needed"},
+    }
+    assert (
+        label_episode(converse(forbidden.seed, [find, look, tried], "It failed."))["write_completion"] is NA
+    )
+    invented = {**cancel, "arguments": {**cancel["arguments"], "order_id": "#W0000001"}}
+    assert label_episode(converse(task.seed, [find, look, invented], "Done."))["write_completion"] is NA
+    lookup = task_of("lookup")
+    assert (
+        label_episode(converse(lookup.seed, lookup.metadata["reference"], "Shipped."))["write_completion"]
+        is NA
+    )
+
+
 def test_stopping_after_the_lookups():
     task = task_of("modify_address")
     find, look, _modify = task.metadata["reference"]

@@ -77,14 +77,16 @@ POLICIES: dict[str, Callable[[Task, RetailEnv], Plan]] = {
     "broken_format": _broken_format,
     "distractor": _distractor,
 }
-# The capability each deficient policy lacks; the others lack none. Policy refusal is not
-# planted: the retail environment refuses forbidden writes itself, leaving the state, and
-# so the grade, unchanged, and an agent that ignores the policy still succeeds.
-PLANTED: dict[str, str] = {
-    "invents_ids": KINDS["argument_grounding"].name,
-    "stops_early": KINDS["multi_step_completion"].name,
-    "withholds_facts": KINDS["communicating_facts"].name,
-    "broken_format": KINDS["tool_call_format"].name,
+# The capabilities each deficient policy lacks; the others lack none. Stopping after the
+# lookups lacks two: it neither carries the request through nor makes the change asked for.
+# Policy refusal is not planted: the retail environment refuses forbidden writes itself,
+# leaving the state, and so the grade, unchanged, and an agent that ignores the policy
+# still succeeds.
+PLANTED: dict[str, tuple[str, ...]] = {
+    "invents_ids": (KINDS["argument_grounding"].name,),
+    "stops_early": (KINDS["multi_step_completion"].name, KINDS["write_completion"].name),
+    "withholds_facts": (KINDS["communicating_facts"].name,),
+    "broken_format": (KINDS["tool_call_format"].name,),
 }
 
 

@@ -8,10 +8,13 @@ overrides the guess. What they look for:
 - tool_call_format: every attempted tool call parses (no tool-call markup left in text);
 - tool_selection: every call names a tool that exists;
 - argument_grounding: ids in arguments were given by the user or returned by a tool;
-- precondition_verification: a write to an entity follows a read of that entity;
+- precondition_verification: a write to an entity follows a read of that entity, and
+  none is refused for a step the agent skipped (identifying the user);
 - multi_step_completion: after looking things up, the agent acts or explains why not;
+- write_completion: the change the user asked for was made, on the object they named;
 - error_recovery: after a tool error, the next call changes something;
-- policy_refusal: a forbidden action is not attempted; the user is told why;
+- policy_refusal: a forbidden action is not attempted; the user is told why (a write
+  refused for a missing precondition is not a policy refusal);
 - communicating_facts: the final message reports what the tools returned;
 - termination: the episode ends with a message to the user, without looping.
 
@@ -65,6 +68,14 @@ _READ_VERBS = (
     "fetch",
     "query",
     "calculate",
+)
+# Write verbs that ask for the same change: a request to "change" an order is done by a
+# tool named modify_*, one to "return" it by refund_*.
+_SAME_WRITE = (
+    frozenset({"modify", "update", "change", "set"}),
+    frozenset({"cancel", "delete", "remove"}),
+    frozenset({"return", "refund"}),
+    frozenset({"create", "add", "register", "book", "submit"}),
 )
 _MARKUP = re.compile(r"<tool_call>|<tool_response>|\{\s*\"name\"\s*:")
 _REFUSAL = re.compile(r"\b(cannot|can't|can not|unable|not (?:possible|allowed|eligible)|sorry|only)\b", re.I)
@@ -266,13 +277,23 @@ def argument_grounding(t: Trajectory, roles: Mapping[str, Role]) -> Label:
     return Label.PRESENT if checked else Label.NA
 
 
+# How a system says a change waits on an earlier step ("identify the user before changing
+# an order", "log in first"): the agent skipped a precondition; the policy did not forbid it.
+_PRECONDITION = re.compile(
+    r"\b(?:before|first|identif\w*|verif\w*|authenticat\w*|log(?:ged)? ?in|sign(?:ed)? ?in)\b", re.I
+)
+
+
 def precondition_verification(t: Trajectory, roles: Mapping[str, Role]) -> Label:
-    """A write's target (its first id argument) must have been read first. Only targets the
-    agent was given count: writing to an invented id is a grounding failure, not this one."""
+    """A write's target (its first id argument) must have been read first, and no write may
+    be refused for a precondition the agent skipped. Only targets the agent was given count:
+    writing to an invented id is a grounding failure, not this one."""
     read_ids: set[str] = set()
     seen, writes = t.user, False
     for call in t.calls:
         role, ids = guess_role(call.name, roles), _ids(call.arguments)
+        if role == "write" and call.error and _PRECONDITION.search(call.result):
+            return Label.LACKING
         if role == "write" and ids and ids[0] in seen:
             writes = True
             if ids[0] not in read_ids:
@@ -284,12 +305,50 @@ def precondition_verification(t: Trajectory, roles: Mapping[str, Role]) -> Label
 
 
 def multi_step_completion(t: Trajectory, roles: Mapping[str, Role]) -> Label:
+    """After looking things up, the agent acts or says why not. A write refused for a
+    skipped precondition is no action: it could still have been done, so saying sorry after
+    it does not count. (One refused by the policy, or on an invented id, was an action; other
+    detectors judge it.)"""
     reads = [c for c in t.calls if guess_role(c.name, roles) == "read" and not c.error]
     if not reads:
         return Label.NA
-    if any(guess_role(c.name, roles) == "write" for c in t.calls):
+    writes = [c for c in t.calls if guess_role(c.name, roles) == "write"]
+    if any(not (c.error and _PRECONDITION.search(c.result)) for c in writes):
         return Label.PRESENT
+    if writes:
+        return Label.LACKING
     return Label.PRESENT if t.final_answer and _REFUSAL.search(t.final_answer) else Label.LACKING
+
+
+def write_completion(t: Trajectory, roles: Mapping[str, Role]) -> Label:
+    """The change the user asked for was made: a request with a write verb ("cancel",
+    "return", "change"...) needs a write of that kind that went through, on an id the user
+    gave or a lookup returned. An agent that gave up, or wrote something else, lacks it. The
+    other detectors' cases are NA here: declining, or a write the policy refused (the
+    policy's), and a write to an invented id (grounding's)."""
+    asked = _write_kinds(*re.findall(r"[a-z]+", t.user.lower()))
+    if not asked:
+        return Label.NA
+    seen, elsewhere = t.user, False
+    for call in t.offered_calls():
+        if guess_role(call.name, roles) == "write" and asked & _write_kinds(*name_words(call.name)[:1]):
+            ids = _ids(call.arguments)
+            if not call.error and ids and ids[0] in seen:
+                return Label.PRESENT
+            elsewhere |= _policy_refused(call) or bool(ids and ids[0] not in seen)
+        seen += "\n" + call.result
+    wrote = any(guess_role(c.name, roles) == "write" for c in t.calls)
+    declined = not wrote and bool(t.final_answer and _REFUSAL.search(t.final_answer))
+    return Label.NA if elsewhere or declined else Label.LACKING
+
+
+def _write_kinds(*words: str) -> frozenset[str]:
+    """The kinds of change ``words`` name: each write verb stands for its group."""
+    return frozenset(
+        next((min(group) for group in _SAME_WRITE if word in group), word)
+        for word in words
+        if word in _WRITE_VERBS
+    )
 
 
 def error_recovery(t: Trajectory, roles: Mapping[str, Role]) -> Label:
@@ -311,13 +370,19 @@ _NOT_FOUND = re.compile(r"not found|no such|unknown|does not exist|invalid id", 
 
 
 def policy_refusal(t: Trajectory, roles: Mapping[str, Role]) -> Label:
-    """A write the system refused (not one on a missing entity) means the policy was not heeded."""
+    """A write the system refused (not one on a missing entity, nor one waiting on a
+    precondition such as identifying the user) means the policy was not heeded."""
     writes = [c for c in t.calls if guess_role(c.name, roles) == "write"]
-    if any(c.error and not _NOT_FOUND.search(c.result) for c in writes):
+    if any(_policy_refused(c) for c in writes):
         return Label.LACKING
     if t.final_answer and _REFUSAL.search(t.final_answer) and not writes:
         return Label.PRESENT
     return Label.NA
+
+
+def _policy_refused(call: Call) -> bool:
+    """The system refused the call, and not for a missing entity or a skipped precondition."""
+    return call.error and not _NOT_FOUND.search(call.result) and not _PRECONDITION.search(call.result)
 
 
 def communicating_facts(t: Trajectory, roles: Mapping[str, Role]) -> Label:

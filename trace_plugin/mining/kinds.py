@@ -76,6 +76,13 @@ KINDS: Mapping[str, CapabilityKind] = {
             single_step_keeps_it=True,
         ),
         CapabilityKind(
+            "write_completion",
+            d.write_completion,
+            "Makes the change the user asked for, on the object they named.",
+            "completion",
+            "Find the record the user named, then make exactly the change they asked for.",
+        ),
+        CapabilityKind(
             "error_recovery",
             d.error_recovery,
             "After a tool error, changes the call instead of repeating it or giving up.",
