@@ -414,4 +414,9 @@ def test_specs_and_experts_are_stored_and_versioned(db_url):
     store.save_expert(expert)
     assert store.expert(expert.id).corpus == [entry] == store.experts("support")[0].corpus
     assert store.expert(expert.id).unhinted_curve == [0.0, None, 0.25]
+    # How many plays its warm start used is kept with it (migration 0009), not only on disk.
+    assert store.expert(expert.id).warm_start_plays is None
+    expert.warm_start_plays = 29
+    store.save_expert(expert)
+    assert store.expert(expert.id).warm_start_plays == 29 == store.experts("support")[0].warm_start_plays
     store.close()

@@ -121,6 +121,22 @@ async def test_where_the_candidate_router_chooses_none_the_live_deployment_route
     store.close()
 
 
+def test_the_few_shot_context_experts_train_behind_can_be_seen_and_set(sqlite_url):
+    """It was inferred as the commonest context in traffic, with no setting to show or set
+    it: on a suite whose traffic showed other examples, the expert copied their names."""
+    store = Store(sqlite_url)
+    store.upgrade()
+    given = [
+        {"role": "user", "content": "Convert 3 km."},
+        {"role": "assistant", "content": "3 km is 1.86 mi."},
+    ]
+    assert Improver(store, ImproverConfig("a", "http://x", store.url)).examples() == []  # no traffic yet
+    assert Improver(store, ImproverConfig("a", "http://x", store.url, examples=given)).examples() == given
+    off = ImproverConfig("a", "http://x", store.url, examples=given, train_with_examples=False)
+    assert Improver(store, off).examples() == []
+    store.close()
+
+
 def test_jobs_and_deployments_are_stored_once_per_id(db_url):
     store = Store(db_url)
     store.upgrade()

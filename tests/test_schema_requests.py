@@ -313,7 +313,8 @@ async def test_calibration_returns_the_spec_it_measured_and_never_only_no_call_r
 
     calibrated, report = await calibrate(spec, never_calls, seeds=range(8), samples=2, band=Band(attempts=1))
     assert calibrated == spec and len(report.attempts) == 1  # one attempt: nothing adjusted after it
-    assert report.verdict.startswith("not learnable after 1 attempt(s): mean reward")  # and says why
+    # It says why, and of the base model: the warm-started expert GRPO trains may be in band.
+    assert report.verdict.startswith("out of the base model's band after 1 attempt(s): mean reward")
     assert "too few groups differ for GRPO to learn from" in report.to_dict()["verdict"]
     easier = spec
     while (step := adjust(easier, 0.0)) is not None:

@@ -10,7 +10,7 @@ broken page.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
@@ -53,6 +53,8 @@ class Environment:
     band: tuple[float, float] | None  # the learnable mean reward, when calibrated
     mean_reward: float | None  # the last calibration attempt's
     verdict: str | None
+    live: float | None = None  # the live agent's success there before training (the screen)
+    trains: bool | None = None  # whether the screen let it train
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +65,8 @@ class TrainedExpert:
     noop: bool  # no gradient reached it: the base model again, not evaluated
     steps: int
     rollouts: int | None  # the budget it trained with
-    reference_plays: int | None  # at most this many verified plays warm-started it
+    reference_plays: int | None  # the verified plays that warm-started it (or at most this many)
+    plays_exact: bool  # reference_plays is what it used, not only the most it might
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +111,7 @@ class ExpertCurves:
     plot: Plot | None
     rollouts: int | None
     reference_plays: int | None
+    plays_exact: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,10 +152,13 @@ def _strings(value: Any) -> list[str]:
     return [str(v) for v in value] if isinstance(value, list) else []
 
 
-def _training(expert: Expert | None) -> tuple[int | None, int | None]:
-    """Its rollout budget and warm-start plays, from the training config it recorded."""
+def _training(expert: Expert | None) -> tuple[int | None, int | None, bool]:
+    """Its rollout budget and warm-start plays: those it used, or for an expert from before
+    they were kept the most its training config allowed (and False)."""
     config = expert.config if expert is not None else {}
-    return _int(config.get("rollout_budget")), _int(config.get("warm_start_plays"))
+    if expert is not None and expert.warm_start_plays is not None:
+        return _int(config.get("rollout_budget")), expert.warm_start_plays, True
+    return _int(config.get("rollout_budget")), _int(config.get("warm_start_plays")), False
 
 
 def _composed(router: dict[str, Any], gate: dict[str, Any]) -> Composed:
@@ -198,6 +205,7 @@ def cycles(store: Store, agent: str) -> list[Cycle]:
     found = []
     for head in heads[:MAX_CYCLES]:
         cycle = Cycle(head.cycle, head.status, head.started_at, head.ended_at)
+        screened: dict[str, tuple[float | None, bool]] = {}  # capability -> live success, trains
         for job in jobs[head.cycle]:
             if job.status == "failed":
                 cycle.failed.append(FailedJob(job.stage, job.key, job.attempts, job.error or ""))
@@ -210,8 +218,9 @@ def cycles(store: Store, agent: str) -> list[Cycle]:
                 cycle.mined = _mined(store, agent, out)
             elif job.stage == "synthesize":
                 cycle.environments.append(_environment(specs, job.key, out))
+            elif job.stage == "screen":
+                screened[job.key] = (_float(out.get("success")), bool(out.get("train")))
             elif job.stage == "train":
-                rollouts, plays = _training(experts.get(str(out.get("expert"))))
                 cycle.trained.append(
                     TrainedExpert(
                         job.key,
@@ -219,8 +228,7 @@ def cycles(store: Store, agent: str) -> list[Cycle]:
                         str(out.get("adapter_name", "")),
                         bool(out.get("noop")),
                         len(out.get("reward_curve") or []),
-                        rollouts,
-                        plays,
+                        *_training(experts.get(str(out.get("expert")))),
                     )
                 )
             elif job.stage == "route":
@@ -230,6 +238,12 @@ def cycles(store: Store, agent: str) -> list[Cycle]:
             elif job.stage == "cycle":
                 cycle.deployed = out.get("deployed")
                 cycle.ended_because = out.get("reason")
+        cycle.environments = [
+            replace(e, live=screened[e.capability][0], trains=screened[e.capability][1])
+            if e.capability in screened
+            else e
+            for e in cycle.environments
+        ]
         found.append(cycle)
     return found
 

@@ -151,7 +151,8 @@ class Calibration:
             )
         else:
             why = f"the base model scores too little (below {band.low})"
-        return f"not learnable after {len(self.attempts)} attempt(s): {figures}; {why}"
+        # Not "not learnable": the warm-started expert, not the base model, is what GRPO trains.
+        return f"out of the base model's band after {len(self.attempts)} attempt(s): {figures}; {why}"
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -63,6 +63,9 @@ class ImproverConfig:
     preset: str = "cpu-small"
     training: ExpertTrainingConfig | Mapping[str, Any] = field(default_factory=dict)
     train_with_examples: bool = True  # behind the agent's own few-shot context, as it is served
+    # That context (OpenAI messages): None takes the commonest one in the agent's traffic.
+    # Set it where traffic mixes contexts, or to train behind other examples than it shows.
+    examples: Sequence[Mapping[str, Any]] | None = None
     model: str | None = None  # local base model dir; None is the embedded default
     # routing: several experts are chosen by the base model as "classifier" (TRACE's: retrieved
     # candidates, a top-p weighted mixture), as "top1" (the classifier's single best), or by a

@@ -296,12 +296,14 @@ class Improver:
         return dataclasses.replace(self.config.expert_training, **overrides)
 
     def examples(self) -> list[dict[str, Any]]:
-        """The agent's own few-shot context, which experts train and are measured behind."""
-        return (
-            CapturedInterface.from_store(self.store, self.config.agent).examples
-            if self.config.train_with_examples
-            else []
-        )
+        """The few-shot context experts train and are measured behind: the config's
+        ``examples``, else the agent's own as its traffic shows it (none without
+        ``train_with_examples``)."""
+        if not self.config.train_with_examples:
+            return []
+        if self.config.examples is not None:
+            return [dict(m) for m in self.config.examples]
+        return CapturedInterface.from_store(self.store, self.config.agent).examples
 
     def live(self) -> Deployment | None:
         """The agent's live deployment, if any."""

@@ -61,7 +61,12 @@ class Mined(Output):
 
 @dataclass(frozen=True)
 class Synthesized(Output):
-    """The environment a capability's expert trains in, and whether it may."""
+    """The environment a capability's expert trains in, and whether it may.
+
+    An ``out_of_band`` environment trains: its band was measured on the base model, while
+    GRPO trains the warm-started expert, which its reference plays lift into the band. Only
+    a broken one (``rejected``) or none at all does not; whether the live agent still fails
+    it is the screen's question (:class:`Screened`)."""
 
     stage: ClassVar[str] = "synthesize"
     TRAINABLE: ClassVar[tuple[str, ...]] = ("validated", "out_of_band")
@@ -99,6 +104,7 @@ class Trained(Output):
     unhinted_curve: list[float | None] = field(default_factory=list)  # absent from older jobs
     noop: bool = False  # no gradient reached its adapter: it is the base model
     adapter_name: str = ""  # the name it is served under; absent from older jobs
+    warm_start_plays: int | None = None  # the reference plays its warm start used; absent from older jobs
 
 
 @dataclass(frozen=True)

@@ -168,12 +168,15 @@ def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> 
         id=expert_id,
     )
     store.save_expert(expert)
+    examples = improver.examples()
+    source = "set in the config" if config.examples is not None else "the commonest in traffic"
+    improver.console.log(f"{capability}: trains behind {len(examples)} few-shot message(s), {source}")
     job = TrainingJob(
         record.spec.model_dump(mode="json", by_alias=True),
         list(TRAINING_SEEDS),
         training.to_dict(),
         config.model,
-        improver.examples(),
+        examples,
         exclude=sorted(evaluated_task_keys(config, record.spec, improver.store))
         if training.warm_start_plays
         else [],
@@ -186,6 +189,7 @@ def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> 
         raise
     expert.status, expert.reward_curve = "ready", list(result.reward_curve)
     expert.unhinted_curve = list(result.unhinted_curve)
+    expert.warm_start_plays = result.reference_plays
     expert.adapter_path, expert.adapter_sha256 = str(result.adapter_dir), result.adapter_sha256
     expert.base_model, expert.base_model_hash = str(result.base_model), result.base_model_sha256
     store.save_expert(expert)
@@ -203,6 +207,7 @@ def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> 
         list(result.unhinted_curve),
         noop,
         expert.adapter_name,
+        result.reference_plays,
     )
 
 

@@ -31,6 +31,9 @@ class Expert:
     status: ExpertStatus = "training"
     reward_curve: list[float] = field(default_factory=list)
     unhinted_curve: list[float | None] = field(default_factory=list)  # the un-hinted rollouts' alone
+    # The verified reference plays its warm start trained on (the config's warm_start_plays
+    # is only the most it may): None before it trained, or from before it was kept.
+    warm_start_plays: int | None = None
     evaluation: dict[str, Any] = field(default_factory=dict)
     adapter_path: str | None = None
     adapter_sha256: str | None = None

@@ -162,6 +162,7 @@ experts = Table(
     Column("config", Json, nullable=False),
     Column("reward_curve", Json, nullable=False),
     Column("unhinted_curve", Json),
+    Column("warm_start_plays", Integer),  # NULL: from before it was kept
     Column("evaluation", Json, nullable=False),
     Column("adapter_path", Text),
     Column("adapter_sha256", String(64)),
