@@ -420,3 +420,33 @@ def test_specs_and_experts_are_stored_and_versioned(db_url):
     store.save_expert(expert)
     assert store.expert(expert.id).warm_start_plays == 29 == store.experts("support")[0].warm_start_plays
     store.close()
+
+
+def test_write_guards_come_from_the_writes_that_went_through_in_traffic(db_url):
+    """The guard was the alphabetically first status observed anywhere ("cancelled"), so the
+    environment refused writes its own system prompt allowed. Now it is the status each write
+    tool's target showed when a call of it went through; without such a call, the first status
+    that reads as open."""
+    from trace_plugin.environments.planted import corpus
+    from trace_plugin.environments.retail import TRAIN_SEEDS
+    from trace_plugin.environments.synthesis import CapturedInterface
+
+    store = Store(db_url)
+    store.upgrade()
+    episodes = corpus(list(TRAIN_SEEDS)[:40], ("competent",))
+    store.write([r for e in episodes for r in (e, *e.steps)])
+    captured = CapturedInterface.from_store(store, "planted")
+    assert dict(captured.observations.guards) == {
+        "cancel_order": ["pending"],
+        "modify_address": ["pending"],
+        "return_items": ["delivered"],
+        "exchange_items": ["delivered"],
+    }
+    spec = synthesize(
+        "multi_step_completion", TOOLS, system_prompt=POLICY, observations=captured.observations
+    )
+    assert spec.tool("return_items").guard == {"status": ["delivered"]}
+    unseen = Observations({"status": ["cancelled", "delivered", "pending"]})
+    spec = synthesize("multi_step_completion", TOOLS, system_prompt=POLICY, observations=unseen)
+    assert spec.tool("cancel_order").guard == {"status": ["pending"]}  # not "cancelled"
+    store.close()

@@ -22,12 +22,12 @@ import json
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trace_plugin.chat_template import arguments_object, content_text
 from trace_plugin.environments.schema_requests import requests
-from trace_plugin.mining.detectors import guess_role, name_words
+from trace_plugin.mining.detectors import Trajectory, guess_role, name_words
 from trace_plugin.mining.kinds import KINDS, FamilyName
 from trace_plugin.records.env_spec import (
     Action,
@@ -56,9 +56,12 @@ _POOLS: dict[str, list[str]] = {
 
 @dataclass(frozen=True, slots=True)
 class Observations:
-    """What production traffic showed about argument and result values, by name."""
+    """What production traffic showed: argument and result values by name, and the statuses
+    each write tool's target had when it went through (its guard)."""
 
     values: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    # write tool -> the statuses its target had when a call of it went through
+    guards: Mapping[str, Sequence[str]] = field(default_factory=dict)
 
     @classmethod
     def from_calls(cls, calls: Iterable[tuple[dict[str, Any], Any]]) -> Observations:
@@ -79,6 +82,36 @@ class Observations:
             visit(arguments, "")
             visit(result, "")
         return cls({k: sorted(v)[:32] for k, v in seen.items()})
+
+
+def observed_guards(trajectories: Iterable[Trajectory]) -> dict[str, list[str]]:
+    """Per write tool, the statuses its target row showed (in an earlier result of the same
+    episode) when a call of it went through: the guard the target's own traffic shows, where
+    the alphabetically first status seen anywhere ("cancelled") contradicted the policy."""
+    guards: dict[str, set[str]] = {}
+    for t in trajectories:
+        status_of: dict[str, str] = {}  # id -> the status a result last showed for it
+        for call in t.calls:
+            ids = [v for k, v in call.arguments.items() if k.endswith("_id") and isinstance(v, str)]
+            if guess_role(call.name) == "write" and not call.error and ids and ids[0] in status_of:
+                guards.setdefault(call.name, set()).add(status_of[ids[0]])
+            for row in _rows(arguments_object(call.result)):
+                status = row.get("status")
+                for key, value in row.items():
+                    if key.endswith("_id") and isinstance(value, str) and isinstance(status, str):
+                        status_of[value] = status
+    return {name: sorted(statuses) for name, statuses in guards.items()}
+
+
+def _rows(value: Any) -> Iterable[dict[str, Any]]:
+    """Every object inside a parsed result."""
+    if isinstance(value, dict):
+        yield value
+        for inner in value.values():
+            yield from _rows(inner)
+    elif isinstance(value, list):
+        for inner in value:
+            yield from _rows(inner)
 
 
 def id_pattern(examples: Sequence[str], noun: str) -> str:
@@ -163,17 +196,27 @@ class Interface:
             filters = {p: p for p in params if p in self.tables[noun].columns}
             return ToolSpec(schema=schema, behaviour="list", table=noun, filters=filters) if filters else None
         if role == "write" and key in required:
-            status = self.tables[noun].columns["status"].values
+            statuses = list(self.tables[noun].columns["status"].values)
             sets = {p: f"${p}" for p in params if p != key and p in self.tables[noun].columns}
+            guard = [s for s in self.observations.guards.get(name, ()) if s in statuses] or _open(statuses)
             return ToolSpec(
                 schema=schema,
                 behaviour="update",
                 table=noun,
                 key=key,
-                guard={"status": status[:1]},
+                guard={"status": guard},
                 sets={**sets, "status": past_tense(name_words(name)[0])},
             )
         return None
+
+
+_OPEN = ("pending", "open", "active", "new", "draft", "created", "processing")
+
+
+def _open(statuses: Sequence[str]) -> list[str]:
+    """The guard when traffic showed no write going through: the first status that reads as
+    still open to change, else the first."""
+    return [next((s for s in statuses if s.lower() in _OPEN), statuses[0])] if statuses else []
 
 
 def synthesize(
@@ -260,18 +303,16 @@ class CapturedInterface:
             content_text(m[0].get("content")) for m in conversations if m and m[0].get("role") == "system"
         )
         contexts = Counter(json.dumps(_context(m)) for m in conversations)
+        # Calls paired with their results, whether the agent's tools were recorded as steps or
+        # only inside its conversation (the gateway's view).
+        trajectories = [Trajectory.from_episode(e) for e in episodes]
         calls = [
-            (
-                s.input if isinstance(s.input, dict) else {},
-                arguments_object(s.output),
-            )  # a JSON result, parsed
-            for e in episodes
-            for s in e.steps
-            if s.kind == "tool" and s.error is None
+            (c.arguments, arguments_object(c.result)) for t in trajectories for c in t.calls if not c.error
         ]
         system_prompt = prompts.most_common(1)[0][0] if prompts else "You are a helpful assistant with tools."
         examples = json.loads(contexts.most_common(1)[0][0]) if contexts else []
-        return cls(store.tool_schemas(agent), system_prompt, Observations.from_calls(calls), examples)
+        observed = replace(Observations.from_calls(calls), guards=observed_guards(trajectories))
+        return cls(store.tool_schemas(agent), system_prompt, observed, examples)
 
 
 def _context(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
