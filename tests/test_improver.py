@@ -137,6 +137,58 @@ def test_the_few_shot_context_experts_train_behind_can_be_seen_and_set(sqlite_ur
     store.close()
 
 
+@pytest.mark.parametrize(
+    ("merge", "alone", "chosen"), [(0.5, 0.25, "top_p"), (0.25, 0.5, "top1"), (0.5, 0.5, "top1")]
+)
+async def test_the_gate_chooses_between_the_top_p_merge_and_one_expert_per_request(
+    sqlite_url, monkeypatch, merge, alone, chosen
+):
+    """TRACE found that routing one expert per request beat every merge (a merge dilutes an
+    expert by its weight): the gate's own tasks decide, a tie going to the one expert."""
+    from trace_plugin.environments.base import RewardBreakdown
+    from trace_plugin.environments.runner import EpisodeResult
+    from trace_plugin.demo import router_label
+    from trace_plugin.improver import Routing, evaluation
+
+    store = Store(sqlite_url)
+    store.upgrade()
+    success = {"router:c2": merge, "router:c2-top1": alone, "base": 0.0}
+
+    async def evaluator(model, seeds):
+        return [EpisodeResult(s, "k", RewardBreakdown(float(i < success[model] * len(seeds))), "", "")
+                for i, s in enumerate(seeds)]  # fmt: skip
+
+    improver = Improver(
+        store, ImproverConfig("a", "http://x", store.url, target_seeds=[1, 2, 3, 4]), evaluator=evaluator
+    )
+    registered = {}
+
+    async def set_router(spec, *, name=None):
+        registered[name] = spec.to_dict() if hasattr(spec, "to_dict") else spec
+
+    async def loaded(experts):
+        return {}
+
+    monkeypatch.setattr(improver.gateway, "set_router", set_router)
+    monkeypatch.setattr(improver, "_load_candidates", loaded)
+    corpus = [
+        CorpusEntry(capability=c, request="r", solution="s", embedding=[1.0]) for c in ("fmt", "refusal")
+    ]
+    merged = router_spec({"fmt": "fmt@1", "refusal": "refusal@2"}, store, "a", corpus, top_p=0.9)
+    scores = await evaluation.evaluate(improver, "c2", {}, Routing(merged))
+    assert scores.compared == {"top_p": merge, "top1": alone}
+    assert scores.target.candidate.success == max(merge, alone)
+    top_p = scores.router.retrieval.top_p
+    assert (top_p == 0.9) == (chosen == "top_p") and registered["c2"] == scores.router.to_dict()
+    assert (
+        router_label(scores.router.to_dict())
+        == {"top_p": "classifier, top-p", "top1": "classifier, top-1"}[chosen]
+    )
+    # One expert merges nothing: no choice to make.
+    assert evaluation.top1_variant(router_spec({"fmt": "fmt@1"}, store, "a")) is None
+    store.close()
+
+
 def test_jobs_and_deployments_are_stored_once_per_id(db_url):
     store = Store(db_url)
     store.upgrade()

@@ -39,7 +39,7 @@ from trace_plugin.environments.runner import EpisodeResult, LangGraphAgent, Runn
 from trace_plugin.errors import TracePluginError
 from trace_plugin.gateway.backend import Engine
 from trace_plugin.improver import Improver, ImproverConfig
-from trace_plugin.improver.evaluation import lacking_transfer, live_key
+from trace_plugin.improver.evaluation import TOP1, lacking_transfer, live_key
 from trace_plugin.improver.outputs import Mined
 from trace_plugin.model_files import Precision
 from trace_plugin.records.job import job_id
@@ -118,11 +118,20 @@ def cycle_report(store: Store, cycle: str, traffic_success: float, after: dict[s
         mined=mined.selected,
         trained=[j.key for j in store.jobs(AGENT, cycle) if j.stage == "train" and j.status == "done"],
         adapters=dict(deployment.adapters) if deployment else {},
-        router=deployment.router.get("kind") if deployment else None,
+        router=router_label(deployment.router) if deployment else None,
         deployed=deployed,
         outcome=outcome,
         after=after,
     )
+
+
+def router_label(router: dict[str, Any]) -> str:
+    """A router's kind, and for TRACE's classifier whether the gate kept its top-p merge or
+    chose one expert per request."""
+    retrieval = router.get("retrieval") or {}
+    if router.get("kind") != "classifier" or not retrieval:
+        return str(router.get("kind"))
+    return "classifier, top-1" if retrieval.get("top_p", 1.0) <= TOP1 else "classifier, top-p"
 
 
 def peak_rss_gb() -> float:

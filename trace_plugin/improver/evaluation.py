@@ -36,6 +36,9 @@ from trace_plugin.mining.selection import Label
 from trace_plugin.model_files import load_tokenizer
 from trace_plugin.records.env_spec import EnvSpec
 from trace_plugin.records.outcome import reward_succeeds
+from trace_plugin.records.router_spec import ClassifierSpec, RouterSpec
+
+TOP1 = 1e-6  # a top-p so small that the nucleus is the likeliest label alone
 
 if TYPE_CHECKING:
     from trace_plugin.improver.loop import Improver
@@ -68,14 +71,33 @@ async def evaluate(
         base, current, candidate = scored["base"], scored[live], scored[name]
         capabilities[capability] = Scores(base=base, current=current, candidate=candidate)
         console.log(f"{capability}: base {base:.2f}, live {current:.2f}, candidate {candidate:.2f}")
-    target = None
+    router, target, compared = routing.router, None, {}
     if config.target_seeds:
-        target = TargetScores(
-            current=await improver.live_summary(),
-            candidate=summary(await improver.evaluator(f"router:{cycle}", list(config.target_seeds))),
+        seeds = list(config.target_seeds)
+        current, candidate = (
+            await improver.live_summary(),
+            summary(await improver.evaluator(f"router:{cycle}", seeds)),
         )
+        if (hard := top1_variant(router)) is not None:
+            # TRACE found one expert per request beat every merge: the gate's own tasks decide.
+            await improver.gateway.set_router(hard, name=f"{cycle}-top1")
+            alone = summary(await improver.evaluator(f"router:{cycle}-top1", seeds))
+            compared = {"top_p": candidate.success, "top1": alone.success}
+            console.log(f"top-p merge {candidate.success:.2f}, top-1 {alone.success:.2f} on the gate's tasks")
+            if alone.success >= candidate.success:  # a tie goes to the simpler router
+                router, candidate = hard, alone
+                await improver.gateway.set_router(router, name=cycle)
+        target = TargetScores(current=current, candidate=candidate)
         console.log(f"target: live {target.current.success:.2f}, candidate {target.candidate.success:.2f}")
-    return Evaluation(adapters=adapters, router=routing.router, capabilities=capabilities, target=target)
+    return Evaluation(adapters, router, capabilities, target, compared)
+
+
+def top1_variant(router: RouterSpec) -> ClassifierSpec | None:
+    """The same classifier choosing one expert per request instead of a top-p merge; None
+    for a router that merges nothing."""
+    if not isinstance(router, ClassifierSpec) or router.retrieval is None or len(router.experts) < 2:
+        return None
+    return router.model_copy(update={"retrieval": router.retrieval.model_copy(update={"top_p": TOP1})})
 
 
 def live_key(deployment_id: str | None, seeds: Sequence[int]) -> str:

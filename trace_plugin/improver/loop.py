@@ -192,7 +192,7 @@ class Improver:
             deployed=cycle if verdict.accept else None,
             reason=None if verdict.accept else "; ".join(verdict.reasons),
             trained=trained,
-            router=routing.router,
+            router=scores.router,  # the gate's choice, where it had one
             live_scores=live_scores,
             passed_over=untrained,
         )

@@ -168,6 +168,9 @@ class Evaluation(Output):
     router: RouterSpec
     capabilities: dict[str, Scores]
     target: TargetScores | None = field(default=None, metadata=OMIT_NONE)
+    # The target success of the routers the gate chose ``router`` from ({"top_p", "top1"}),
+    # when it had a choice; empty otherwise.
+    compared: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Evaluation:
@@ -177,6 +180,7 @@ class Evaluation(Output):
             parse_router_spec(data["router"]),
             {c: Scores.from_dict(s) for c, s in data["capabilities"].items()},
             TargetScores.from_dict(target) if target is not None else None,
+            dict(data.get("compared", {})),
         )
 
 
