@@ -467,7 +467,7 @@ def test_a_capability_no_environment_can_exercise_is_passed_over_and_the_next_on
     up to ``max_experts`` of them."""
     from trace_plugin.environments.retail import POLICY, TOOLS
     from trace_plugin.environments.synthesis import synthesize
-    from trace_plugin.improver import Mined, Synthesized, Trained, stages
+    from trace_plugin.improver import Mined, Screened, Synthesized, Trained, stages
     from trace_plugin.records.capability import Capability
     from trace_plugin.records.env_spec import SpecError
 
@@ -488,6 +488,11 @@ def test_a_capability_no_environment_can_exercise_is_passed_over_and_the_next_on
         )
 
     monkeypatch.setattr(stages, "prepare_environment", prepare)
+
+    async def screened(env):  # the live agent fails every environment
+        return Screened("base", 0.0, 0.0, True)
+
+    monkeypatch.setattr(improver, "_screen", screened)
     trained: list[str] = []
 
     def train(improver, cycle, capability, env):
