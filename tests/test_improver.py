@@ -145,9 +145,9 @@ async def test_the_gate_chooses_between_the_top_p_merge_and_one_expert_per_reque
 ):
     """TRACE found that routing one expert per request beat every merge (a merge dilutes an
     expert by its weight): the gate's own tasks decide, a tie going to the one expert."""
+    from trace_plugin.demo import router_label
     from trace_plugin.environments.base import RewardBreakdown
     from trace_plugin.environments.runner import EpisodeResult
-    from trace_plugin.demo import router_label
     from trace_plugin.improver import Routing, evaluation
 
     store = Store(sqlite_url)
