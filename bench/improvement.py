@@ -224,7 +224,7 @@ class Bench:
         test = list(TEST_SEEDS)[: preset.test_tasks]
         gate = list(TEST_SEEDS)[GATE_OFFSET : GATE_OFFSET + preset.gate_tasks]  # never a reported task
         assert not set(test) & set(gate), "the gate must not decide on the reported tasks"
-        improver = stack.improver(preset, gate)
+        improver = stack.improver(preset, gate, test)
         bench = cls(
             args.quick, preset, out, precision, results, console, stack, improver,
             GatewayAdmin(stack.server.url), test, gate,

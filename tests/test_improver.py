@@ -189,6 +189,27 @@ async def test_the_gate_chooses_between_the_top_p_merge_and_one_expert_per_reque
     store.close()
 
 
+def test_no_training_task_is_one_a_report_or_the_gate_measures(sqlite_url, tmp_path):
+    """Leakage was checked against the gate's tasks only: requests phrased like the target's
+    traffic may repeat a reported task, and a report would then measure what was trained."""
+    from trace_plugin.environments.base import task_keys
+    from trace_plugin.environments.retail import POLICY, TEST_SEEDS, TOOLS, RetailEnv
+    from trace_plugin.environments.synthesis import synthesize
+    from trace_plugin.improver.stages import evaluated_task_keys
+
+    store = Store(sqlite_url)
+    store.upgrade()
+    test = list(TEST_SEEDS)
+    spec = synthesize("tool_call_format", TOOLS, system_prompt=POLICY)
+    config = ImproverConfig(
+        "a", "http://x", tmp_path, target="retail", target_seeds=test[48:50], reported_seeds=test[:4]
+    )
+    keys = evaluated_task_keys(config, spec, store)
+    assert task_keys(RetailEnv, test[:4]) <= keys and task_keys(RetailEnv, test[48:50]) <= keys
+    assert not task_keys(RetailEnv, test[4:8]) & keys
+    store.close()
+
+
 def test_jobs_and_deployments_are_stored_once_per_id(db_url):
     store = Store(db_url)
     store.upgrade()

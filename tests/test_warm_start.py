@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, TrainerCallback
 from trace_plugin.chat_template import render
 from trace_plugin.environments.base import offered_tools, task_key
 from trace_plugin.environments.interpreter import SpecEnv
-from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
+from trace_plugin.environments.retail import POLICY, TOOLS, TRAIN_SEEDS, RetailEnv
 from trace_plugin.environments.synthesis import synthesize
 from trace_plugin.model_files import prepare_tokenizer, resolve_model
 from trace_plugin.tool_calls import parse_completion
@@ -181,6 +181,30 @@ def test_plays_leave_out_every_evaluated_task(tokenizer):
     # Without the exclusion, the same seeds would have played evaluated tasks.
     unguarded = reference_plays(player, range(400), 64)
     assert {key(p.seed) for p in unguarded.plays} & evaluated
+
+
+def test_grpo_samples_no_task_the_warm_start_trained_on_or_an_evaluation_plays(tmp_path):
+    """Seeds differ, tasks repeat: GRPO sampled the warm start's own tasks, whose groups then
+    all succeed and are dropped (the bench saw every group at 1.00 after the warm start)."""
+    from training.experts import ExpertTrainer
+    from training.warm_start import WarmStartResult
+
+    spec = synthesize("tool_call_format", TOOLS, system_prompt=POLICY)
+
+    def key(seed: int) -> str:
+        env = SpecEnv(spec)
+        task = env.reset(seed)
+        return task_key(task.prompt, offered_tools(env, task))
+
+    config = ExpertTrainingConfig(output_dir=str(tmp_path / "expert"))
+    evaluated = {key(seed) for seed in range(3_000_000, 3_000_016)}
+    trainer = ExpertTrainer(config, lambda: SpecEnv(spec), range(400), exclude=evaluated)
+    played = list(range(0, 400, 7))
+    trainer.warm_start = WarmStartResult(tmp_path, len(played), {}, [], play_seeds=played)
+    seeds = trainer._grpo_seeds()
+    memorized = {key(s) for s in played}
+    assert seeds and not {key(s) for s in seeds} & (memorized | evaluated)
+    assert len(seeds) < 400 - len(played)  # other seeds drew the same tasks, and are left out too
 
 
 @pytest.mark.slow

@@ -264,8 +264,9 @@ class SupportStack:
         self.recorder.flush(30)
         return results
 
-    def improver(self, preset: Preset, gate: Sequence[int]) -> Improver:
-        """The improver as the demo runs it: its gate decides on the retail ``gate`` tasks."""
+    def improver(self, preset: Preset, gate: Sequence[int], reported: Sequence[int] = ()) -> Improver:
+        """The improver as the demo runs it: its gate decides on the retail ``gate`` tasks,
+        and it trains on none of those or of the ``reported`` ones."""
         return Improver(
             self.store,
             ImproverConfig(
@@ -274,6 +275,7 @@ class SupportStack:
                 adapter_root=self.adapter_root,
                 target="retail",
                 target_seeds=gate,
+                reported_seeds=reported,
                 min_new_episodes=0,
                 max_experts=preset.max_experts,
                 calibration_seeds=preset.calibration_seeds,
@@ -329,7 +331,7 @@ def main(
 
     test = list(TEST_SEEDS)[: preset.test_tasks]
     gate = list(TEST_SEEDS)[GATE_OFFSET : GATE_OFFSET + preset.gate_tasks]
-    improver = stack.improver(preset, gate)
+    improver = stack.improver(preset, gate, test)
     timings: dict[str, float] = {"gateway": time.monotonic() - started}
 
     def timed(stage: str, compute: Callable[[], Any]) -> Any:

@@ -56,7 +56,7 @@ import torch
 from rich.console import Console
 from transformers import PrinterCallback, TrainerCallback
 
-from trace_plugin.environments.base import Environment, Task
+from trace_plugin.environments.base import Environment, Task, task_keys, unseen_seeds
 from trace_plugin.generation import folded, until_eos
 from trace_plugin.model_files import load_model, resolve_model
 from trace_plugin.records.outcome import reward_succeeds
@@ -557,9 +557,10 @@ class ExpertTrainer:
                     share_prefix=config.share_prompt,
                 )
 
-        rollouts = RolloutFunction(config, player, self.seeds, self.hint, backend)
+        seeds = self._grpo_seeds()
+        rollouts = RolloutFunction(config, player, seeds, self.hint, backend)
         # Prompts are plain strings naming a seed: no chat-format schema for datasets to merge.
-        dataset = Dataset.from_dict({"prompt": [json.dumps({"seed": s}) for s in self.seeds]})
+        dataset = Dataset.from_dict({"prompt": [json.dumps({"seed": s}) for s in seeds]})
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*rollout_func.*experimental")
             trainer = (_shared_prefix_trainer() if config.share_prompt else GRPOTrainer)(
@@ -579,6 +580,18 @@ class ExpertTrainer:
                 _Snapshots(self.work_dir / SNAPSHOTS, config.rollouts_per_step, config.snapshots)
             )
         return trainer
+
+    def _grpo_seeds(self) -> list[int]:
+        """The seeds GRPO samples: none whose task the warm start trained on or an evaluation
+        plays (a memorized task scores alike in every rollout of its group)."""
+        played = task_keys(self.env_factory, self.warm_start.play_seeds) if self.warm_start else set()
+        seeds = unseen_seeds(self.env_factory, self.seeds, played | set(self.exclude))
+        if not seeds:
+            self.console.log(
+                "[yellow]every training task was warm-started on or is evaluated: GRPO samples them[/]"
+            )
+            return self.seeds
+        return seeds
 
     def _publish(self, trainer: Any, checkpoint: Path | None) -> ExpertResult:
         staging = self.work_dir / "adapter"

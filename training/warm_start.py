@@ -102,6 +102,7 @@ class WarmStartResult:
     skipped: dict[str, int]  # seeds passed over, by reason
     losses: list[float]  # the training loss per logged step
     resumed_from_step: int | None = None  # the SFT checkpoint a killed run continued from
+    play_seeds: list[int] = dataclasses.field(default_factory=list)  # the seeds it played (absent: older)
 
 
 class WarmStartTrainer:
@@ -161,6 +162,7 @@ class WarmStartTrainer:
             skipped={"leaked": plays.leaked, "repeated": plays.repeated, "unplayable": plays.unplayable},
             losses=[float(e["loss"]) for e in trainer.state.log_history if "loss" in e],
             resumed_from_step=int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint else None,
+            play_seeds=[p.seed for p in plays.plays],
         )
         staging = self.partial_dir / "adapter"
         shutil.rmtree(staging, ignore_errors=True)

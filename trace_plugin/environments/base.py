@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -197,6 +197,22 @@ def task_keys(factory: Callable[[], Environment], seeds: Sequence[int]) -> set[s
         task = env.reset(seed)
         keys.add(task_key(task.prompt, offered_tools(env, task)))
     return keys
+
+
+def unseen_seeds(
+    factory: Callable[[], Environment], seeds: Sequence[int], exclude: Collection[str]
+) -> list[int]:
+    """``seeds`` whose tasks (:func:`task_key`) are none of ``exclude``: a task GRPO samples
+    must not be one the warm start memorized or an evaluation plays, or its groups go flat."""
+    if not exclude:
+        return list(seeds)
+    kept = []
+    for seed in seeds:
+        env = factory()
+        task = env.reset(seed)
+        if task_key(task.prompt, offered_tools(env, task)) not in exclude:
+            kept.append(seed)
+    return kept
 
 
 class Environment(Protocol):

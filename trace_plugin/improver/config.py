@@ -49,6 +49,8 @@ class ImproverConfig:
     target: str | None = None  # a registered target environment, for held-out evaluation
     target_seeds: Sequence[int] = ()  # its held-out tasks
     target_tasks: int = 32  # without target_seeds: how many of the target's test seeds
+    # Target tasks a report measures apart from the gate's: no training task may be one.
+    reported_seeds: Sequence[int] = ()
     # triggers
     min_new_episodes: int = 50  # labeled episodes since the last cycle
     max_failure_rate: float | None = None  # or: the recent failure rate reached this

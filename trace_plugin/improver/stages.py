@@ -177,9 +177,7 @@ def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> 
         training.to_dict(),
         config.model,
         examples,
-        exclude=sorted(evaluated_task_keys(config, record.spec, improver.store))
-        if training.warm_start_plays
-        else [],
+        exclude=sorted(evaluated_task_keys(config, record.spec, improver.store)),
     )
     try:
         [result] = (improver.executor or LocalExecutor()).run([job])
@@ -212,13 +210,16 @@ def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> 
 
 
 def evaluated_task_keys(config: ImproverConfig, spec: EnvSpec, store: Store) -> set[str]:
-    """Every task an evaluation of this cycle plays: the environment's held-out and gate
-    seeds, and the target's tasks. The warm start plays none of them."""
+    """Every task an evaluation plays: the environment's held-out and gate seeds, and the
+    target's tasks, the gate's and those a report measures. Training plays none of them,
+    neither the warm start nor GRPO: requests phrased like the target's traffic may repeat
+    one of its tasks."""
     keys = task_keys(
         lambda: SpecEnv(spec), [*HELD_OUT_SEEDS[: config.eval_seeds], *GATE_SEEDS[: config.gate_seeds]]
     )
-    if config.target is not None and config.target_seeds:
-        keys |= task_keys(env_factory(config.target, store), config.target_seeds)
+    target = [*config.target_seeds, *config.reported_seeds]
+    if config.target is not None and target:
+        keys |= task_keys(env_factory(config.target, store), target)
     return keys
 
 
