@@ -76,6 +76,8 @@ class TrainingResult:
     base_model: str
     base_model_sha256: str
     reference_plays: int = 3  # of the 4 its config allowed
+    level_reached: int | None = None
+    informative_group_frac: float | None = None
 
 
 class Executor:

@@ -203,6 +203,41 @@ def test_rollouts_resample_flat_groups_then_drop_them(tokenizer):
     assert logged["dynamic_sampling/unhinted_informative_groups"] == 0.0  # only the hint made seed 2's signal
 
 
+class LevelOneEcho(EchoEnv):
+    """EchoEnv's next level: the ticket says which level it is."""
+
+    def reset(self, seed: int):
+        task = super().reset(seed)
+        return type(task)(seed, f"Level one. {task.prompt}", task.kind, task.metadata)
+
+
+def test_grpo_climbs_a_level_once_a_window_of_steps_masters_the_current_one(tokenizer):
+    """After the warm start every group scored 1.00 and was dropped: nothing kept the expert
+    in band. As RLVE's adaptive environments do, two steps at 0.9 success move GRPO up a
+    level, before its groups go flat; the level is a function of the logs (a resume agrees)."""
+    config = ExpertTrainingConfig(num_generations=2, groups_per_step=1, rollout_budget=8)
+    logged = lambda level, success: {"curriculum/level": level, "episodes/success": success}  # noqa: E731
+    assert config.level([], start=0, top=1) == 0
+    assert config.level([logged(0, 1.0)], 0, 1) == 0  # one step is no window
+    assert config.level([logged(0, 1.0), logged(0, 0.75)], 0, 1) == 0  # 0.875 < 0.9
+    assert config.level([logged(0, 0.5), logged(0, 1.0), logged(0, 1.0)], 0, 1) == 1
+    assert (
+        config.level([logged(0, 1.0), logged(0, 1.0), logged(1, 1.0), logged(1, 1.0)], 0, 1) == 1
+    )  # the top
+    player = EpisodePlayer(tokenizer, EchoEnv, max_turns=3, max_observation_chars=100)
+    policy = scripted(tokenizer, echo_policy)
+    rollouts = RolloutFunction(
+        config, player, [1, 2, 3], None, lambda trainer: nullcontext(policy), levels=[EchoEnv, LevelOneEcho]
+    )
+    stats: dict[str, float] = {}
+    for history, level in (([], 0), ([logged(0, 1.0), logged(0, 1.0)], 1)):
+        policy.seen.clear()
+        step = SimpleNamespace(state=SimpleNamespace(global_step=len(history), log_history=history))
+        out = rollouts([json.dumps({"seed": 2})] * 2, step)
+        rollouts.env_reward([""] * 2, out["env_reward"], log_metric=stats.__setitem__)
+        assert stats["curriculum/level"] == level and ("Level one." in policy.seen[0]) == (level == 1)
+
+
 def test_resampling_stays_within_the_spend_limit(tokenizer):
     """With 6 rollouts already spent of a limit of 10, a step of two groups of two may replay none."""
     player = EpisodePlayer(tokenizer, EchoEnv, max_turns=3, max_observation_chars=100)

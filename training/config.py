@@ -48,6 +48,11 @@ class ExpertTrainingConfig:
     # included) past this many, and resamples only within it: for comparisons at equal
     # rollouts spent, not offered (None: no limit but ``rollout_budget``'s steps).
     spend_limit: int | None = None
+    # RLVE's adaptive difficulty: GRPO moves to its environment's next level once the mean
+    # success of its last ``level_window`` steps at a level reaches ``level_up_success``,
+    # before the groups go flat (an environment without levels has one).
+    level_up_success: float = 0.9
+    level_window: int = 2
     checkpoint_every: int = 10  # steps between checkpoints a re-run resumes from
     # Rollout counts (each a whole number of steps) at which the adapter is also kept, in
     # ``snapshots/<rollouts>`` of the final directory: a success-against-rollouts curve
@@ -162,6 +167,21 @@ class ExpertTrainingConfig:
         if self.spend_limit is not None and spent + self.rollouts_per_step > self.spend_limit:
             return "spent"
         return None
+
+    def level(self, history: Sequence[dict[str, Any]], start: int, top: int) -> int:
+        """The level GRPO plays next after the steps logged in ``history``: ``start`` first,
+        one up once the last ``level_window`` steps at the current level averaged
+        ``level_up_success``, never above ``top``. A pure function of the logs, which a
+        checkpoint keeps, so a resumed run plays where the killed one would have."""
+        steps = [entry for entry in history if "curriculum/level" in entry]
+        if not steps:
+            return start
+        current = int(steps[-1]["curriculum/level"])
+        window = [e for e in steps if e["curriculum/level"] == current][-self.level_window :]
+        success = sum(e["episodes/success"] for e in window) / len(window)
+        if len(window) == self.level_window and success >= self.level_up_success:
+            return min(current + 1, top)
+        return current
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

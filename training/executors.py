@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from trace_plugin.environments.interpreter import SpecEnv, worked_example
+from trace_plugin.environments.validation import levels
 from trace_plugin.records.env_spec import EnvSpec
 from training.config import ExpertTrainingConfig
 from training.experts import ExpertResult, ExpertTrainer
@@ -32,6 +33,7 @@ class TrainingJob:
 def run_job(job: TrainingJob) -> ExpertResult:
     spec = EnvSpec.model_validate(job.spec)
     config = ExpertTrainingConfig(**job.config)
+    ladder, start = levels(spec)
     trainer = ExpertTrainer(
         config,
         lambda: SpecEnv(spec),
@@ -40,6 +42,8 @@ def run_job(job: TrainingJob) -> ExpertResult:
         hint=worked_example(spec) or spec.hint,
         examples=job.examples,
         exclude=job.exclude,
+        levels=[lambda level=level: SpecEnv(level) for level in ladder],
+        start_level=start,
         progress=job.progress,
     )
     return trainer.train()

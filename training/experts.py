@@ -106,15 +106,24 @@ class RolloutFunction:
         seeds: Sequence[int],
         hint: Hint | None,
         generate: Callable[[Any], AbstractContextManager[Generate]],
+        *,
+        levels: Sequence[Callable[[], Environment]] = (),
+        start_level: int = 0,
     ) -> None:
         self.config, self.player, self.seeds, self.hint = config, player, list(seeds), hint
         self.backend = generate  # trainer -> a context holding the policy's Generate
+        # The environment's difficulty levels, easiest first (none: the player's one).
+        self.levels, self.start_level = list(levels), start_level
         self._stats: dict[str, float] = {}
         self._tasks: dict[int, Task] = {}
 
     def __call__(self, prompts: list[str], trainer: Any) -> dict[str, Any]:
         size, start = self.config.num_generations, time.monotonic()
         rng = random.Random(f"{self.config.seed}/{trainer.state.global_step}")
+        level = None
+        if self.levels:
+            level = self.config.level(trainer.state.log_history, self.start_level, len(self.levels) - 1)
+            self.player.env_factory = self.levels[level]
         with self.backend(trainer) as generate:
             group_seeds = [json.loads(p)["seed"] for p in prompts[::size]]
             groups = self._play_groups(group_seeds, rng, generate)
@@ -166,6 +175,8 @@ class RolloutFunction:
             "dynamic_sampling/dropped_groups": len(flat),
             "timing/rollout_seconds": time.monotonic() - start,
         }
+        if level is not None:
+            self._stats["curriculum/level"] = level
         return {
             "prompt_ids": [r.prompt_ids for r in rollouts],
             "completion_ids": [r.completion_ids for r in rollouts],
@@ -380,6 +391,12 @@ class ExpertResult:
     stopped: str | None = None
 
     @property
+    def level_reached(self) -> int | None:
+        """The highest difficulty level GRPO played (None: its environment had no levels)."""
+        levels = [int(entry["curriculum/level"]) for entry in self.logs if "curriculum/level" in entry]
+        return max(levels) if levels else None
+
+    @property
     def informative_group_frac(self) -> float | None:
         """The share of GRPO's groups, over all its steps, that held both a success and a
         failure of the un-hinted policy (None: no step)."""
@@ -438,6 +455,8 @@ class ExpertTrainer:
         hint: Hint | None = None,
         examples: Sequence[dict[str, Any]] = (),
         exclude: Collection[str] = (),
+        levels: Sequence[Callable[[], Environment]] = (),
+        start_level: int = 0,
         progress: bool = True,
         callbacks: Sequence[TrainerCallback] = (),
         console: Console | None = None,
@@ -445,6 +464,9 @@ class ExpertTrainer:
         if not seeds:
             raise ValueError("no training seeds")
         self.config, self.env_factory, self.seeds = config, env_factory, list(seeds)
+        # GRPO's difficulty levels, easiest first, and the one it starts at (env_factory's):
+        # it climbs them as it masters each (ExpertTrainingConfig.level).
+        self.levels, self.start_level = list(levels), start_level
         self.exclude = sorted(set(exclude))  # task keys the warm start must not play (evaluated tasks)
         self.warm_start: WarmStartResult | None = None
         self.model_dir = resolve_model(model)
@@ -558,7 +580,9 @@ class ExpertTrainer:
                 )
 
         seeds = self._grpo_seeds()
-        rollouts = RolloutFunction(config, player, seeds, self.hint, backend)
+        rollouts = RolloutFunction(
+            config, player, seeds, self.hint, backend, levels=self.levels, start_level=self.start_level
+        )
         # Prompts are plain strings naming a seed: no chat-format schema for datasets to merge.
         dataset = Dataset.from_dict({"prompt": [json.dumps({"seed": s}) for s in seeds]})
         with warnings.catch_warnings():

@@ -215,6 +215,22 @@ async def calibrate(
     return spec, report
 
 
+def levels(spec: EnvSpec) -> tuple[list[EnvSpec], int]:
+    """The environment's difficulty levels, easiest first, and the index of ``spec`` among
+    them: the easing ladder's steps below it, then the harder steps above it (no tool named
+    in the request, more distractor rows). Easing keeps the calls that are the capability,
+    so every level exercises it."""
+    easier: list[EnvSpec] = []
+    harder: list[EnvSpec] = []
+    step: EnvSpec | None = spec
+    while (step := adjust(step, 0.0)) is not None:
+        easier.append(step)
+    step = spec
+    while (step := adjust(step, 1.0)) is not None:
+        harder.append(step)
+    return [*reversed(easier), spec, *harder], len(easier)
+
+
 def adjust(spec: EnvSpec, mean: float, band: Band = DEFAULT_BAND) -> EnvSpec | None:
     """One step easier or harder, or None when no knob is left to turn.
 

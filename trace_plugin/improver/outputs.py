@@ -105,6 +105,8 @@ class Trained(Output):
     noop: bool = False  # no gradient reached its adapter: it is the base model
     adapter_name: str = ""  # the name it is served under; absent from older jobs
     warm_start_plays: int | None = None  # the reference plays its warm start used; absent from older jobs
+    level: int | None = None  # the highest difficulty level GRPO reached (None: one level, or older)
+    informative_group_frac: float | None = None  # GRPO's groups with un-hinted signal, over its steps
 
 
 @dataclass(frozen=True)

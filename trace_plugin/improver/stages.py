@@ -195,6 +195,10 @@ def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> 
         improver.console.log(
             f"[yellow]{capability}: the un-hinted reward never rose[/] {expert.unhinted_curve}"
         )
+    improver.console.log(
+        f"{capability}: GRPO reached level {result.level_reached}; informative groups "
+        f"{result.informative_group_frac if result.informative_group_frac is not None else '—'}"
+    )
     noop = is_noop(result.adapter_dir)
     if noop:
         improver.console.log(f"[yellow]{capability}: no gradient reached its adapter (the base model)[/]")
@@ -206,6 +210,8 @@ def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> 
         noop,
         expert.adapter_name,
         result.reference_plays,
+        result.level_reached,
+        result.informative_group_frac,
     )
 
 
