@@ -479,6 +479,41 @@ def test_an_expert_no_gradient_reached_is_not_evaluated(sqlite_url, monkeypatch)
     )
 
 
+def _selecting(
+    store: Store, monkeypatch, names: list[str], *, unsynthesizable: str = ""
+) -> tuple[Improver, list]:
+    """An improver (at most one expert a cycle) whose mining selects ``names``, each given a
+    retail environment but ``unsynthesizable``, and whose training records the capability it
+    was given and moves no weight: which capabilities a cycle trains is what is tested."""
+    from trace_plugin.environments.retail import POLICY, TOOLS
+    from trace_plugin.environments.synthesis import synthesize
+    from trace_plugin.improver import Mined, Trained, stages
+    from trace_plugin.records.capability import Capability
+    from trace_plugin.records.env_spec import SpecError
+
+    store.save_capabilities("a", [Capability(n, n, "detector", True, {}, mining_run="r1") for n in names])
+    config = ImproverConfig("a", "http://127.0.0.1:9", store.url, calibrate=False, max_experts=1)
+    monkeypatch.setattr(stages, "mine", lambda _: Mined(selected=names, covered=[], train=names))
+
+    async def prepare(store, agent, capability, **_):
+        if capability.name == unsynthesizable:
+            raise SpecError(f"the target's tools offer nothing to exercise {unsynthesizable!r} with")
+        report = {"capability": {"name": capability.name, "mining_run": capability.mining_run}}
+        return store.save_env_spec(
+            agent, synthesize(capability.name, TOOLS, system_prompt=POLICY), "validated", report
+        )
+
+    trained: list[str] = []
+
+    def train(improver, cycle, capability, env):
+        trained.append(capability)
+        return Trained("e1", "/adapters/e1", [0.0], [0.0], noop=True)
+
+    monkeypatch.setattr(stages, "prepare_environment", prepare)
+    monkeypatch.setattr(stages, "train", train)
+    return Improver(store, config), trained
+
+
 def test_a_capability_no_environment_can_exercise_is_passed_over_and_the_next_one_trains(
     sqlite_url, monkeypatch
 ):
@@ -486,41 +521,17 @@ def test_a_capability_no_environment_can_exercise_is_passed_over_and_the_next_on
     ends the cycle, nor takes one of its ``max_experts`` places: that capability is recorded
     as unsynthesizable, with the reason, and the next selected one is synthesized and trained,
     up to ``max_experts`` of them."""
-    from trace_plugin.environments.retail import POLICY, TOOLS
-    from trace_plugin.environments.synthesis import synthesize
-    from trace_plugin.improver import Mined, Screened, Synthesized, Trained, stages
-    from trace_plugin.records.capability import Capability
-    from trace_plugin.records.env_spec import SpecError
+    from trace_plugin.improver import Screened, Synthesized
 
     store = Store(sqlite_url)
     store.upgrade()
     names = ["communicating_facts", "tool_call_format", "argument_grounding"]
-    store.save_capabilities("a", [Capability(n, n, "detector", True, {}, mining_run="r1") for n in names])
-    config = ImproverConfig("a", "http://127.0.0.1:9", store.url, calibrate=False, max_experts=1)
-    improver = Improver(store, config)
-    monkeypatch.setattr(stages, "mine", lambda _: Mined(selected=names, covered=[], train=names))
-
-    async def prepare(store, agent, capability, **_):
-        if capability.name == "communicating_facts":
-            raise SpecError("the target's tools offer nothing to exercise 'communicating_facts' with")
-        report = {"capability": {"name": capability.name, "mining_run": capability.mining_run}}
-        return store.save_env_spec(
-            agent, synthesize(capability.name, TOOLS, system_prompt=POLICY), "validated", report
-        )
-
-    monkeypatch.setattr(stages, "prepare_environment", prepare)
+    improver, trained = _selecting(store, monkeypatch, names, unsynthesizable="communicating_facts")
 
     async def screened(env):  # the live agent fails every environment
         return Screened("base", 0.0, 0.0, True)
 
     monkeypatch.setattr(improver, "_screen", screened)
-    trained: list[str] = []
-
-    def train(improver, cycle, capability, env):
-        trained.append(capability)
-        return Trained("e1", "/adapters/e1", [0.0], [0.0], noop=True)
-
-    monkeypatch.setattr(stages, "train", train)
     assert improver.run_once() is None
     assert trained == ["tool_call_format"]
     jobs = {(j.stage, j.key): j for j in store.jobs("a")}
@@ -539,28 +550,14 @@ def test_a_capability_the_live_agent_already_solves_is_not_trained_and_frees_its
     Each new environment is played by the live deployment, under its own router name, before
     training; one it solves frees its place for the next, and the cycle reports both scores."""
     from trace_plugin.environments.base import RewardBreakdown
-    from trace_plugin.environments.retail import POLICY, TOOLS
     from trace_plugin.environments.runner import EpisodeResult
-    from trace_plugin.environments.synthesis import synthesize
-    from trace_plugin.improver import CycleEnd, Mined, Screened, Trained, stages
-    from trace_plugin.records.capability import Capability
+    from trace_plugin.improver import CycleEnd, Screened
 
     store = Store(sqlite_url)
     store.upgrade()
-    names = ["policy_refusal", "multi_step_completion", "communicating_facts"]
-    store.save_capabilities("a", [Capability(n, n, "detector", True, {}, mining_run="r1") for n in names])
     store.make_live(Deployment("c1", "a", "live", adapters={}, router={"kind": "static", "adapter": "x"}))
-    config = ImproverConfig("a", "http://127.0.0.1:9", store.url, calibrate=False, max_experts=1)
-    improver = Improver(store, config)
-    monkeypatch.setattr(stages, "mine", lambda _: Mined(selected=names, covered=[], train=names))
-
-    async def prepare(store, agent, capability, **_):
-        report = {"capability": {"name": capability.name, "mining_run": capability.mining_run}}
-        return store.save_env_spec(
-            agent, synthesize(capability.name, TOOLS, system_prompt=POLICY), "validated", report
-        )
-
-    monkeypatch.setattr(stages, "prepare_environment", prepare)
+    names = ["policy_refusal", "multi_step_completion", "communicating_facts"]
+    improver, trained = _selecting(store, monkeypatch, names)
     registered, played = {}, []
 
     async def set_router(spec, *, name=None):
@@ -573,13 +570,6 @@ def test_a_capability_the_live_agent_already_solves_is_not_trained_and_frees_its
 
     monkeypatch.setattr(improver.gateway, "set_router", set_router)
     monkeypatch.setattr(improver, "_play_spec", play)
-    trained: list[str] = []
-
-    def train(improver, cycle, capability, env):
-        trained.append(capability)
-        return Trained("e1", "/adapters/e1", [0.0], [0.0], noop=True)
-
-    monkeypatch.setattr(stages, "train", train)
     assert improver.run_once() is None
     assert trained == ["multi_step_completion"]
     assert played == [("policy_refusal", "router:c1"), ("multi_step_completion", "router:c1")]
