@@ -132,9 +132,9 @@ class ClassifierRouter:
     ``threshold`` (hard top-1). With it (TRACE's router), the request's embedding retrieves
     the ``k`` most similar successful trajectories; their capabilities are the candidates,
     each shown with its retrieved trajectory, which keeps the choice small as capabilities
-    grow. If ``N`` is the most probable label ``fallback`` routes (else the base model
-    serves); otherwise the smallest
-    set of labels whose probability exceeds ``top_p`` is kept, and the candidates in it are
+    grow. If ``N`` is the most probable label, ``fallback`` routes (the deployment the
+    candidate would replace; without one the base model serves); otherwise the smallest set
+    of labels whose probability exceeds ``top_p`` is kept, and the candidates in it are
     weighted by their probabilities. Decisions are cached by the request (the latest user
     message: tool turns do not change it), so a conversation keeps its mixture.
     """
