@@ -345,3 +345,41 @@ def test_tools_with_many_arguments_still_synthesize_within_the_spec_limits():
     ]
     spec = synthesize("tool_call_format", wide, system_prompt="Help.")  # two calls would need 10 values
     assert "two_calls" not in {t.kind for t in spec.tasks} and check_policies(spec, range(50)).passed
+
+
+def test_requests_are_worded_as_the_tools_users_worded_them_with_other_values():
+    """The generic family's requests paraphrased the tool's description and dictated every
+    argument ("Use amount: 57; from: USD"), which no user does: reading the values out of
+    plain phrasing is the task. Where traffic shows a request one call answered, tickets
+    take its wording with other values in it."""
+    from trace_plugin.environments.synthesis import observed_phrasings
+    from trace_plugin.mining.detectors import Call, Trajectory
+
+    asked = Trajectory(
+        "How much is 120 USD in EUR these days?",
+        [Call("convertCurrency", {"amount": 120, "from": "USD", "to": "EUR"}, "{}")],
+    )
+    twice = Trajectory(
+        "Convert 7 USD to JPY and 7 EUR to JPY.",
+        [Call("convertCurrency", {"amount": 7, "from": "USD", "to": "JPY"})],
+    )
+    phrasings = observed_phrasings([asked, twice, asked])
+    assert phrasings == {
+        "convertCurrency": ["How much is {amount} {from} in {to} these days?"]
+    }  # 7 stated twice
+    spec = synthesize(
+        "tool_call_format", TOOLS, system_prompt="Help.", observations=Observations(phrasings=phrasings)
+    )
+    [template] = [t for t in spec.tasks if t.kind == "call_convert_currency"]
+    assert "Use " not in template.prompt and template.prompt.startswith("How much is {p")
+    env = SpecEnv(spec)
+    for seed in range(40):
+        task = env.reset(seed)
+        if task.kind != "call_convert_currency":
+            continue
+        (call,) = task.metadata["reference"]
+        assert set(call["arguments"]) == {"amount", "from", "to"}  # exactly what the wording states
+        assert f"How much is {call['arguments']['amount']} {call['arguments']['from']} in " in task.prompt
+    assert check_policies(spec, range(200)).passed
+    dictated = synthesize("tool_call_format", TOOLS, system_prompt="Help.")
+    assert "Use " in next(t.prompt for t in dictated.tasks if t.kind == "call_convert_currency")

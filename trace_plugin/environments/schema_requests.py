@@ -16,13 +16,14 @@ partial credit per argument) and the answers told to the user.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from trace_plugin.mining.detectors import name_words
 from trace_plugin.records.env_spec import MAX_SLOTS, Action, Check, Column, TaskTemplate, ToolSpec
 
+PLACEHOLDER = re.compile(r"\{(\w+)\}")
 MAX_CALLED = 8  # tools a spec exercises (each with a schema, within the spec's size limit)
 DISTRACTORS = 2  # other tools offered beside the one a request needs
 NO_CALL_WEIGHT = 0.1  # a share no larger than validation's do-nothing bound allows
@@ -52,6 +53,7 @@ class _Call:
     params: Params
     arguments: dict[str, Any]
     statement: str
+    phrased: str | None = None  # the request as a user of the tool worded it, when traffic showed one
 
     @property
     def name(self) -> str:
@@ -59,11 +61,15 @@ class _Call:
 
 
 def requests(
-    tools: list[dict[str, Any]], column: Pool
+    tools: list[dict[str, Any]], column: Pool, phrasings: Mapping[str, Sequence[str]] | None = None
 ) -> tuple[list[TaskTemplate], list[Check], list[ToolSpec]]:
     """Templates, checks and the tools they use. ``column(param)`` gives the value pool of a
-    string parameter with no enum or format (captured values, else named defaults)."""
-    calls = [call for schema in tools if (call := _call(schema, column)) is not None][:MAX_CALLED]
+    string parameter with no enum or format (captured values, else named defaults).
+    ``phrasings`` (tool -> captured requests with their argument values as ``{name}``
+    placeholders, :func:`phrasing`) word a tool's request as its users did, with other values
+    in it, instead of dictating each argument."""
+    phrasings = phrasings or {}
+    calls = [call for schema in tools if (call := _call(schema, column, phrasings)) is not None][:MAX_CALLED]
     if not calls:
         return [], [], []
     names = [call.name for call in calls]
@@ -74,7 +80,7 @@ def requests(
             TaskTemplate(
                 kind=f"call_{_slug(call.name)}",
                 params=call.params,
-                prompt=f"{_purpose(call.schema)} {call.statement}",
+                prompt=call.phrased or f"{_purpose(call.schema)} {call.statement}",
                 reference=[Action(tool=call.name, arguments=call.arguments)],
                 tools=_shuffled([call.name, *others], i),
                 forbidden=others,
@@ -124,10 +130,10 @@ def _two_calls(a: _Call, b: _Call) -> TaskTemplate:
     )
 
 
-def _call(schema: dict[str, Any], column: Pool) -> _Call | None:
+def _call(schema: dict[str, Any], column: Pool, phrasings: Mapping[str, Sequence[str]]) -> _Call | None:
     """A tool's reference call, or None when its schema is not an object or needs more
     values than a template holds. Required arguments, and the first optional one at each
-    level."""
+    level; worded as a captured request that states exactly those, where there is one."""
     parameters = _function(schema).get("parameters") or {"type": "object", "properties": {}}
     if parameters.get("type", "object") != "object" or not isinstance(parameters.get("properties", {}), dict):
         return None
@@ -149,7 +155,45 @@ def _call(schema: dict[str, Any], column: Pool) -> _Call | None:
     if len(params) > MAX_SLOTS:
         return None
     statement = f"Use {'; '.join(stated)}." if stated else "Nothing else is needed."
+    # A captured wording that states every required argument (and perhaps optional ones):
+    # the call then passes exactly the arguments it states.
+    slots = {k: v[1:-1] for k, v in arguments.items() if isinstance(v, str) and PLACEHOLDER.fullmatch(v)}
+    required = set(parameters.get("required") or ())
+    for text in phrasings.get(str(_function(schema).get("name")), ()):
+        named = set(PLACEHOLDER.findall(text))
+        if required <= named <= set(slots):
+            phrased = PLACEHOLDER.sub(lambda m: "{" + slots[m[1]] + "}", text)
+            kept = {slots[k] for k in named}
+            told = [entry for entry in stated if set(PLACEHOLDER.findall(entry)) <= kept]
+            return _Call(
+                schema,
+                {slot: pool for slot, pool in params.items() if slot in kept},
+                {k: v for k, v in arguments.items() if k in named},
+                f"Use {'; '.join(told)}.",
+                phrased,
+            )
     return _Call(schema, params, arguments, statement)
+
+
+def phrasing(request: str, arguments: Mapping[str, Any]) -> str | None:
+    """``request`` with each of the call's argument values as a ``{name}`` placeholder: how a
+    user worded what this call answers. None unless every argument is a plain value the
+    request states once, word for word."""
+    text = request.replace("{", "(").replace("}", ")")
+    if not arguments:
+        return None
+    for name, value in arguments.items():
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, str | int | float)
+            or not re.fullmatch(r"\w+", name)
+        ):
+            return None
+        shown = re.escape(str(value))
+        if not str(value).strip() or len(re.findall(rf"(?<![\w.]){shown}(?![\w]|\.\d)", text)) != 1:
+            return None
+        text = re.sub(rf"(?<![\w.]){shown}(?![\w]|\.\d)", "{" + name + "}", text)
+    return text
 
 
 def _chosen(schema: dict[str, Any]) -> dict[str, Any]:

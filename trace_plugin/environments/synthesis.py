@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trace_plugin.chat_template import arguments_object, content_text
-from trace_plugin.environments.schema_requests import requests
+from trace_plugin.environments.schema_requests import phrasing, requests
 from trace_plugin.mining.detectors import Trajectory, guess_role, name_words
 from trace_plugin.mining.kinds import KINDS, FamilyName
 from trace_plugin.records.env_spec import (
@@ -56,12 +56,15 @@ _POOLS: dict[str, list[str]] = {
 
 @dataclass(frozen=True, slots=True)
 class Observations:
-    """What production traffic showed: argument and result values by name, and the statuses
-    each write tool's target had when it went through (its guard)."""
+    """What production traffic showed: argument and result values by name, the statuses
+    each write tool's target had when it went through (its guard), and how users worded
+    requests that one call answered."""
 
     values: Mapping[str, Sequence[str]] = field(default_factory=dict)
     # write tool -> the statuses its target had when a call of it went through
     guards: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    # tool -> requests that one call of it answered, its argument values as {name}s
+    phrasings: Mapping[str, Sequence[str]] = field(default_factory=dict)
 
     @classmethod
     def from_calls(cls, calls: Iterable[tuple[dict[str, Any], Any]]) -> Observations:
@@ -101,6 +104,19 @@ def observed_guards(trajectories: Iterable[Trajectory]) -> dict[str, list[str]]:
                     if key.endswith("_id") and isinstance(value, str) and isinstance(status, str):
                         status_of[value] = status
     return {name: sorted(statuses) for name, statuses in guards.items()}
+
+
+def observed_phrasings(trajectories: Iterable[Trajectory], most: int = 4) -> dict[str, list[str]]:
+    """Per tool, the commonest requests that one successful call of it answered, with the
+    call's values as ``{argument}`` placeholders (:func:`phrasing`): the generic family words
+    its tickets so, where it would otherwise dictate each argument."""
+    counts: dict[str, Counter[str]] = {}
+    for t in trajectories:
+        if len(t.calls) == 1 and not t.calls[0].error:
+            [call] = t.calls
+            if (text := phrasing(t.user, call.arguments)) is not None:
+                counts.setdefault(call.name, Counter())[text] += 1
+    return {name: [text for text, _ in found.most_common(most)] for name, found in counts.items()}
 
 
 def _rows(value: Any) -> Iterable[dict[str, Any]]:
@@ -237,7 +253,7 @@ def synthesize(
     tasks, checks, needed = ([], [], []) if generic else family(interface)
     bound = [interface.bindings[n] for n in dict.fromkeys(needed)]
     if not tasks:  # tools that follow none of the conventions the family reads: the calls themselves
-        tasks, checks, bound = requests(tools, interface.param_column)
+        tasks, checks, bound = requests(tools, interface.param_column, interface.observations.phrasings)
     if not tasks:
         raise SpecError(f"the target's tools offer nothing to exercise {capability!r} with")
     spec = EnvSpec(
@@ -311,7 +327,11 @@ class CapturedInterface:
         ]
         system_prompt = prompts.most_common(1)[0][0] if prompts else "You are a helpful assistant with tools."
         examples = json.loads(contexts.most_common(1)[0][0]) if contexts else []
-        observed = replace(Observations.from_calls(calls), guards=observed_guards(trajectories))
+        observed = replace(
+            Observations.from_calls(calls),
+            guards=observed_guards(trajectories),
+            phrasings=observed_phrasings(trajectories),
+        )
         return cls(store.tool_schemas(agent), system_prompt, observed, examples)
 
 
