@@ -23,7 +23,7 @@ from test_gateway_hostile import ScriptedBackend
 
 from trace_plugin import Recorder
 from trace_plugin.conversations import SHUT_DOWN, ConversationEpisodes, ModelCall
-from trace_plugin.gateway.app import CANCELLED, GatewayConfig, create_app
+from trace_plugin.gateway.app import CANCELLED, GatewayConfig, GatewayConfigError, create_app
 from trace_plugin.gateway.backend import SamplingParams
 from trace_plugin.gateway.server import start_in_thread
 from trace_plugin.model_files import prepare_tokenizer, resolve_model
@@ -94,6 +94,53 @@ def test_a_conversation_left_after_a_tool_call_ends_once_idle(tokenizer, local_r
             time.sleep(0.1)
         assert status(local_recorder, "left-after-a-call") == ("completed", None)
     assert status(local_recorder, "left-after-a-call") == ("completed", None)  # the stop leaves it as it was
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), 0, -5, True, "600"])
+def test_a_conversation_timeout_that_is_no_finite_positive_number_is_refused(tmp_path, timeout):
+    """With nan the sweeper died (and 1 of 20 conversations never ended); with 0 it spun at
+    a whole core."""
+    with pytest.raises(GatewayConfigError, match="conversation_timeout is seconds, a finite number above 0"):
+        GatewayConfig(adapter_root=tmp_path, conversation_timeout=timeout)
+
+
+@pytest.mark.parametrize("timeout", ["nan", "inf"])
+def test_serve_refuses_such_a_timeout_before_loading_a_model(tmp_path, timeout):
+    from typer.testing import CliRunner
+
+    from trace_plugin.cli import app
+
+    args = ["serve", "--conversation-timeout", timeout, "--adapter-root", str(tmp_path)]
+    refused = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    said = " ".join(refused.output.replace("│", " ").split())
+    # nan fails the option's own minimum; inf passed it and ran a sweeper that never swept.
+    assert refused.exit_code == 2 and "--conversation-timeout" in said, refused.output
+    assert "Traceback" not in refused.output and "serving" not in said
+
+
+def test_a_sweep_that_fails_is_logged_and_the_next_one_ends_the_conversation(
+    tokenizer, local_recorder, tmp_path, monkeypatch, caplog
+):
+    sweep, failed = ConversationEpisodes.sweep, []
+
+    def flaky(self):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("the store hiccupped")
+        return sweep(self)
+
+    monkeypatch.setattr(ConversationEpisodes, "sweep", flaky)
+    config = GatewayConfig(adapter_root=tmp_path, agent="idle", conversation_timeout=0.4)
+    app = create_app(ScriptedBackend(tokenizer, CALL), config=config, recorder=local_recorder)
+    with TestClient(app) as client:
+        ask(client, "left-while-a-sweep-fails")
+        deadline = time.monotonic() + 10
+        while (
+            status(local_recorder, "left-while-a-sweep-fails")[0] == "running" and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
+        assert failed and status(local_recorder, "left-while-a-sweep-fails") == ("completed", None)
+    assert "sweeping idle conversations failed" in caplog.text
 
 
 def test_no_conversation_stays_running_once_the_server_stops(tokenizer, local_recorder, tmp_path):

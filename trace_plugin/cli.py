@@ -214,12 +214,24 @@ def serve(
     """Serve an OpenAI-compatible API with LoRA experts, routing and capture."""
     import uvicorn
 
-    from trace_plugin.gateway.app import GatewayConfig, create_app
+    from trace_plugin.gateway.app import GatewayConfig, GatewayConfigError, create_app
     from trace_plugin.gateway.routing import KeywordRouter
     from trace_plugin.recorder import configure
 
     if _engine(engine) == "vllm" and vllm_url:
         raise typer.BadParameter("--engine vllm starts its own vLLM: drop --vllm-url", param_hint="--engine")
+    try:
+        config = GatewayConfig(
+            adapter_root=adapter_root or data_dir() / "adapters",
+            agent=agent,
+            admin_token=admin_token,
+            allow_remote_admin=allow_remote_admin,
+            record=record,
+            adapters=dict(spec.partition("=")[::2] for spec in adapter or []),
+            conversation_timeout=conversation_timeout,
+        )
+    except GatewayConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint=f"--{exc.setting.replace('_', '-')}") from None
     engine_server = _start_vllm(model) if engine == "vllm" else None
     if engine_server is not None:
         backend: Any = engine_server.backend()
@@ -237,15 +249,6 @@ def serve(
         if not target:
             raise typer.BadParameter(f"route {rule!r} is not KEYWORDS=ADAPTER")
         rules.append((words.split(","), target))
-    config = GatewayConfig(
-        adapter_root=adapter_root or data_dir() / "adapters",
-        agent=agent,
-        admin_token=admin_token,
-        allow_remote_admin=allow_remote_admin,
-        record=record,
-        adapters=dict(spec.partition("=")[::2] for spec in adapter or []),
-        conversation_timeout=conversation_timeout,
-    )
     config.adapter_root.mkdir(parents=True, exist_ok=True)
     application = create_app(backend, config=config, router=KeywordRouter(rules), recorder=configure(db))
     console.print(f"serving [bold]{backend.model_id}[/] at http://{host}:{port}/v1")

@@ -14,16 +14,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trace_plugin.gateway.admin import GatewayAdmin
-    from trace_plugin.gateway.app import GatewayConfig
+    from trace_plugin.gateway.app import GatewayConfig, GatewayConfigError
     from trace_plugin.gateway.server import RunningServer, serve_embedded
 
 _HOME = {
     "GatewayAdmin": "admin",
     "GatewayConfig": "app",
+    "GatewayConfigError": "app",
     "RunningServer": "server",
     "serve_embedded": "server",
 }
-__all__ = ["GatewayAdmin", "GatewayConfig", "RunningServer", "serve_embedded"]
+__all__ = ["GatewayAdmin", "GatewayConfig", "GatewayConfigError", "RunningServer", "serve_embedded"]
 
 
 def __getattr__(name: str) -> Any:

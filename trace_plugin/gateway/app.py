@@ -13,6 +13,7 @@ with the app's :class:`GatewayState`; this module assembles them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -37,11 +38,13 @@ from trace_plugin.gateway.state import (
     MAX_BODY_BYTES,
     ROUTER_PREFIX,
     GatewayConfig,
+    GatewayConfigError,
     GatewayError,
     GatewayState,
 )
 from trace_plugin.recorder import Recorder
 
+logger = logging.getLogger(__name__)
 __all__ = [
     "ADAPTER_HEADER",
     "AGENT_HEADER",
@@ -54,6 +57,7 @@ __all__ = [
     "ROUTER_PREFIX",
     "BodyLimit",
     "GatewayConfig",
+    "GatewayConfigError",
     "GatewayError",
     "create_app",
 ]
@@ -101,10 +105,15 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 async def _sweep(gateway: GatewayState) -> None:
-    """End conversations left open past the timeout while no new call comes to do it."""
+    """End conversations left open past the timeout while no new call comes to do it. A
+    sweep that fails is logged and the next one runs: one bad sweep must not leave every
+    later conversation open."""
     while True:
         await anyio.sleep(min(gateway.config.conversation_timeout / 4, 30.0))
-        gateway.episodes.sweep()
+        try:
+            gateway.episodes.sweep()
+        except Exception:
+            logger.exception("sweeping idle conversations failed; the next sweep runs as usual")
 
 
 # -- errors in OpenAI's shape --------------------------------------------------------------

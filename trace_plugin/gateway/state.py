@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import math
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -47,6 +48,14 @@ class GatewayError(TracePluginError):
         self.status, self.message, self.type, self.code = status, message, type_, code
 
 
+class GatewayConfigError(TracePluginError, ValueError):
+    """A gateway setting that cannot be served with; ``setting`` names it."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(message)
+        self.setting = setting
+
+
 @dataclass
 class GatewayConfig:
     """How the gateway serves, routes, protects its admin API and records."""
@@ -68,6 +77,13 @@ class GatewayConfig:
     # (the token, from loopback unless allow_remote_admin); True, any client.
     open_mixtures: bool = False
     mixture_bytes: int = MAX_MIXTURE_BYTES  # composed adapters on disk; at most 4 are kept
+
+    def __post_init__(self) -> None:
+        # nan stops the sweeper (and with it the ending of idle conversations); 0 spins it.
+        timeout = self.conversation_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
+            message = f"conversation_timeout is seconds, a finite number above 0, not {timeout!r}"
+            raise GatewayConfigError("conversation_timeout", message)
 
 
 @dataclass(slots=True)
