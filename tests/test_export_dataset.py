@@ -134,7 +134,13 @@ def test_filters_select_the_episodes_newest_first_and_count_what_they_leave_out(
     assert exported(shop, sources=["gateway", "runner"])[0] == ["d", "c"]
     newest = dataset(shop, "shop", limit=3)  # g, f and e: the newest three finished
     assert (newest.total, names(list(newest)), newest.read) == (3, ["f", "e"], 3)
-    assert exported(shop, sources=["nobody"]) == ([], {})
+    assert exported(shop, sources=["mcp-env"]) == ([], {})  # a built-in source that recorded none of them
+    # A typo or a non-finite bound once wrote 0 rows and exited 0.
+    with pytest.raises(ExportError, match="no episode of 'shop' was recorded by source 'langgraf'"):
+        dataset(shop, "shop", sources=["langgraf"])
+    for bound in (float("nan"), float("inf")):
+        with pytest.raises(ExportError, match="min_reward must be a finite number"):
+            dataset(shop, "shop", min_reward=bound)
 
 
 def test_tokens_rows_are_the_stored_ids_with_the_episode_reward_adapter_and_router(shop):
@@ -207,6 +213,10 @@ def test_the_cli_writes_each_format_with_a_progress_bar_and_says_what_it_left_ou
         result = CliRunner().invoke(app, ["export", "dataset", "--agent", "shop", *options, "--db", shop.url])
         return result
 
+    for typo in (["--source", "langgraf"], ["--min-reward", "nan"]):
+        refused = export(*typo, "--out", str(tmp_path / "typo.jsonl"))
+        assert refused.exit_code == 2 and "Traceback" not in refused.output, refused.output
+        assert not (tmp_path / "typo.jsonl").exists()
     openai = export("--format", "openai", "--out", str(tmp_path / "o.jsonl"))
     assert openai.exit_code == 0, openai.output
     assert "exporting shop" in openai.output and "wrote 5 row(s) from 7 episode(s)" in openai.output

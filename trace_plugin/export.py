@@ -24,6 +24,7 @@ give the ``trl`` and ``openai`` rows of the solutions an expert's warm start tra
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 import uuid
 from collections import Counter, deque
@@ -39,7 +40,7 @@ from trace_plugin.chat_template import arguments_object, content_text
 from trace_plugin.environments.base import Environment, offered_tools, play_reference, task_key
 from trace_plugin.errors import TracePluginError
 from trace_plugin.payload import Redactor, make_redactor
-from trace_plugin.records.trajectory import Episode
+from trace_plugin.records.trajectory import SOURCES, Episode
 from trace_plugin.store import Store
 from trace_plugin.store.store import EpisodeFilter
 
@@ -126,6 +127,15 @@ def dataset(
         raise ExportError(f"format {format!r} is not one of {', '.join(get_args(Format))}")
     if outcome not in get_args(OutcomeFilter):
         raise ExportError(f"outcome {outcome!r} is not one of {', '.join(get_args(OutcomeFilter))}")
+    if min_reward is not None and not math.isfinite(min_reward):
+        raise ExportError(f"min_reward must be a finite number, not {min_reward!r}")
+    for source in sources:  # a typo would export nothing, silently
+        recorded = sum(store.episode_statuses(EpisodeFilter(agent, sources=(source,))).values())
+        if source not in SOURCES and not recorded:
+            raise ExportError(
+                f"no episode of {agent!r} was recorded by source {source!r}; the built-in sources are "
+                f"{', '.join(SOURCES)}"
+            )
     redactor = make_redactor(redact)
     if format == "tokens" and redactor is not None:
         raise ExportError("token ids cannot be redacted: export messages (openai or trl) instead")

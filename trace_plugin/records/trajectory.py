@@ -80,6 +80,11 @@ class Step:
     tools: list[dict[str, Any]] | None = None
 
 
+# The sources this package's capture paths record (``Episode.source``); a caller may name
+# its own.
+SOURCES = ("langgraph", "gateway", "mcp-proxy", "mcp-env", "runner", "environment", "litellm", "api")
+
+
 @dataclass(slots=True)
 class Episode:
     """One trajectory. ``reward`` and ``label`` hold the latest known outcome."""
