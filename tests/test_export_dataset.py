@@ -537,8 +537,24 @@ def test_export_plays_writes_a_stored_environments_plays_behind_the_agents_examp
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert lines == list(expected) and lines
     assert f"wrote {len(lines)} reference play(s) of 12 seed(s)" in result.output
-    refused = CliRunner().invoke(app, [*command[:3], "--seeds", "5:5", *command[5:]])
-    assert refused.exit_code == 2 and "A:B" in refused.output
+    # Usage errors, one line each, before any work: "²" passed str.isdigit and then raised.
+    for seeds in ("5:5", "²:5", "1:x"):
+        refused = CliRunner().invoke(app, [*command[:3], "--seeds", seeds, *command[5:]])
+        assert refused.exit_code == 2 and "A:B" in refused.output and "Traceback" not in refused.output
+    for bad_out, says in ((tmp_path / "nowhere" / "p.jsonl", "does not exist"), (tmp_path, "is a folder")):
+        refused = CliRunner().invoke(app, [*command[:5], "--out", str(bad_out), *command[7:]])
+        assert refused.exit_code == 2 and says in " ".join(refused.output.replace("│", " ").split()), (
+            refused.output
+        )
+        dataset_out = ["export", "dataset", "--agent", "shop", "--out", str(bad_out), "--db", sqlite_url]
+        refused = CliRunner().invoke(app, dataset_out)
+        assert refused.exit_code == 2 and says in " ".join(refused.output.replace("│", " ").split()), (
+            refused.output
+        )
+    # Seeds are read as they are played: a trillion of them cost nothing up front (a list of
+    # them ran out of memory).
+    huge = reference_plays(lambda: SpecEnv(spec), range(10**12), max_turns=6, max_observation_chars=800)
+    assert huge.total == 10**12 and next(huge) and huge.read < 20
     store.close()
 
 

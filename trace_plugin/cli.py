@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from datetime import datetime
@@ -543,9 +544,11 @@ def envs_export_plays(
     from trace_plugin.export import reference_plays, write_jsonl
     from training.config import ExpertTrainingConfig
 
-    first, _, stop = seeds.partition(":")
-    if not (first.isdigit() and stop.isdigit() and int(first) < int(stop)):
+    bounds = re.fullmatch(r"([0-9]+):([0-9]+)", seeds)  # not str.isdigit: it takes "²"
+    if bounds is None or int(bounds[1]) >= int(bounds[2]):
         raise typer.BadParameter(f"{seeds!r} is not A:B with A < B", param_hint="--seeds")
+    first, stop = bounds.groups()
+    _out_file(out)
     try:
         config = ExpertTrainingConfig.preset(preset)
     except ValueError as exc:
@@ -703,6 +706,7 @@ def export_dataset(
     """Write an agent's finished episodes as a fine-tuning dataset, a page at a time."""
     from trace_plugin.export import ExportError, dataset, save_hf, write_jsonl
 
+    _out_file(out, folder=format == "hf")
     try:
         rows = dataset(
             _store(db),
@@ -728,6 +732,16 @@ def export_dataset(
     count = _written(rows, f"exporting {agent}", lambda written: write(written, out))
     console.print(f"[green]wrote {count} row(s) from {rows.read} episode(s) to {out}[/]")
     _left_out(rows.left_out, "episode(s)")
+
+
+def _out_file(out: Path, *, folder: bool = False) -> None:
+    """Refuse an ``--out`` that cannot be written before any work: in a folder that does not
+    exist, or naming a folder where a file goes (or a file where a folder goes)."""
+    if not out.parent.is_dir():
+        raise typer.BadParameter(f"the folder {out.parent} does not exist", param_hint="--out")
+    if out.is_dir() != folder and out.exists():
+        what = "a file" if folder else "a folder"
+        raise typer.BadParameter(f"{out} is {what}", param_hint="--out")
 
 
 def _written(rows: Any, description: str, write: Callable[[Iterable[dict[str, Any]]], int]) -> int:

@@ -175,7 +175,7 @@ def episode_rows(episode: Episode, format: Format, redactor: Redactor | None = N
 
 def reference_plays(
     env_factory: Callable[[], Environment],
-    seeds: Iterable[int],
+    seeds: Sequence[int],
     *,
     format: Literal["openai", "trl"] = "trl",
     max_turns: int,
@@ -185,8 +185,8 @@ def reference_plays(
     """The verified reference solutions of an environment's tasks on ``seeds`` as the warm
     start plays them (``training.episodes.EpisodePlayer.reference``, whose ids are these
     rows rendered by our chat template), behind the agent's ``examples``; a seed whose
-    task repeats an earlier one's is passed over, as the warm start does."""
-    seeds = list(seeds)
+    task repeats an earlier one's is passed over, as the warm start does. ``seeds`` are
+    read as they are played (a ``range`` of any length costs nothing up front)."""
     seen: set[str] = set()
 
     def rows_of(seed: int) -> list[Row] | str:
