@@ -561,6 +561,38 @@ def test_adapter_paths_are_confined_to_the_root(
     assert r.status_code == status, r.text
 
 
+@pytest.mark.parametrize("broken", ["nan", "inf", "layer 999", "unknown module"])
+def test_an_adapter_that_would_load_and_serve_nothing_is_refused_and_the_live_one_serves(
+    client, gateway, backend, adapter_root, broken
+):
+    """NaN or Inf weights loaded with 200 and then served ""; weights for a module the base
+    lacks (layer 999, another architecture's) loaded with 200 and did nothing."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    ensure_loaded(gateway, "alpha@1", "alpha/1")
+    before = greedy(client, "alpha", "Say hello.").choices[0].message.content
+    target = adapter_root / "alpha" / f"broken-{broken.replace(' ', '-')}"
+    shutil.copytree(adapter_root / "alpha" / "1", target, dirs_exist_ok=True)
+    weights = load_file(str(target / "adapter_model.safetensors"))
+    name = next(n for n in weights if ".lora_B." in n)
+    if broken in ("nan", "inf"):
+        weights[name] = weights[name].copy()
+        weights[name].flat[0] = float(broken)
+    else:
+        other = name.replace(".lora_B.", ".fused.lora_B.")  # a module no layer of this model has
+        moved = name.replace("layers.0.", "layers.999.") if broken == "layer 999" else other
+        weights[moved] = weights.pop(name)
+    save_file(weights, str(target / "adapter_model.safetensors"))
+    r = admin(
+        gateway, "load_lora_adapter", lora_name="alpha@9", lora_path=str(target.relative_to(adapter_root))
+    )
+    assert r.status_code == 422, r.text
+    assert ("NaN or Inf" if broken in ("nan", "inf") else "modules the base model lacks") in r.text
+    assert greedy(client, "alpha", "Say hello.").choices[0].message.content == before  # alpha@1 still serves
+
+
 async def test_admin_needs_the_token_and_loopback(backend, adapter_root):
     app = create_app(
         backend, config=GatewayConfig(adapter_root=adapter_root, admin_token="s3cret", record=False)

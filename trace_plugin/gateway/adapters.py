@@ -318,13 +318,18 @@ class AdapterRegistry:
     # -- admin side ---------------------------------------------------------------------
 
     async def load(self, full: str, path: str | Path) -> str:
-        """Load ``name@version`` from ``path``, verify it, make it live, retire the old one."""
+        """Load ``name@version`` from ``path``, verify it, make it live, retire the old one.
+        Weights that are NaN or Inf, or for modules the base model lacks, are refused before
+        the backend sees them: the live version keeps serving."""
+        from trace_plugin.gateway.composition import check_weights
+
         check_adapter_name(full, self.reserved)
         name, version = split_name(full) if self.hot_swap else (full, None)
         base_ids = {self.backend.model_id, str(getattr(self.backend, "model_dir", self.backend.model_id))}
         resolved = validate_adapter_dir(
             path, self.root, base_model=base_ids, max_rank=self.backend.max_lora_rank
         )
+        await asyncio.to_thread(check_weights, resolved, getattr(self.backend, "lora_modules", None))
         async with self._lock:
             if full in self._versions:
                 raise AdapterError(f"adapter {full!r} is already loaded")

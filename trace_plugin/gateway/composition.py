@@ -19,7 +19,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,33 @@ def _lora(path: Path) -> tuple[dict[str, Any], float, dict[str, tuple[np.ndarray
     alpha = float(config.get("lora_alpha", config["r"]))
     scaling = alpha / (config["r"] ** 0.5 if config.get("use_rslora") else config["r"])
     return config, scaling, modules
+
+
+PEFT_PREFIX = "base_model.model."  # PEFT's name for the wrapped model, before each module's path
+
+
+def check_weights(path: Path, modules: Collection[str] | None = None) -> None:
+    """Refuse an adapter that would load and then serve nothing useful: NaN or Inf weights
+    (it answers ``""``), or LoRA weights for modules the base model lacks (``modules``: its
+    module names; a layer 999, a module of another architecture), which a loader skips in
+    silence. Only safetensors weights are read."""
+    if not (path / WEIGHTS).is_file():
+        return
+    try:
+        tensors = read_safetensors(path / WEIGHTS)
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"{path}: {exc}") from exc
+    broken = sorted(name for name, array in tensors.items() if not np.isfinite(array).all())
+    if broken:
+        raise AdapterError(f"adapter {path.name} holds NaN or Inf weights: {', '.join(broken[:3])}", 422)
+    if modules is not None:
+        lora = {n.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for n in tensors if ".lora_" in n}
+        unknown = sorted(lora - set(modules))
+        if unknown:
+            raise AdapterError(
+                f"adapter {path.name} has weights for modules the base model lacks: {', '.join(unknown[:3])}",
+                422,
+            )
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:

@@ -124,6 +124,9 @@ class EmbeddedBackend:
         self.max_lora_rank = max_lora_rank
         self.model, self.tokenizer = load_model(self.model_dir, precision=precision)
         self.dtype = self.model.dtype  # the weights'; adapters stay float32, as PEFT loads them
+        # What an adapter's LoRA weights may adapt: a weight for any other module would load
+        # and do nothing (AdapterRegistry refuses such an adapter before it is loaded).
+        self.lora_modules = frozenset(name for name, _ in self.model.named_modules() if name)
         self.context: int | None = getattr(self.model.config, "max_position_embeddings", None)
         # No token decodes to more characters than the longest vocabulary entry: a prompt
         # longer than context x that cannot fit, and is refused before it is tokenized.
