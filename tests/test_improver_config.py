@@ -15,8 +15,13 @@ URL = "http://127.0.0.1:9"
 
 
 def test_a_config_takes_its_test_seeds_from_the_target_it_names(tmp_path):
-    assert list(ImproverConfig("a", URL, tmp_path, target="retail").target_seeds) == list(TEST_SEEDS)[:32]
-    few = ImproverConfig("a", URL, tmp_path, target="retail", target_tasks=3)
+    # Fewer than the target has is said, not done silently.
+    with pytest.warns(
+        UserWarning, match=f"the first 32 of the {len(TEST_SEEDS)} test tasks of target 'retail'"
+    ):
+        assert list(ImproverConfig("a", URL, tmp_path, target="retail").target_seeds) == list(TEST_SEEDS)[:32]
+    with pytest.warns(UserWarning, match="first 3 of"):
+        few = ImproverConfig("a", URL, tmp_path, target="retail", target_tasks=3)
     assert list(few.target_seeds) == list(TEST_SEEDS)[:3]
     given = ImproverConfig("a", URL, tmp_path, target="retail", target_seeds=[7, 8])
     assert list(given.target_seeds) == [7, 8]  # seeds given are kept

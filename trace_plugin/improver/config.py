@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -129,8 +130,17 @@ class ImproverConfig:
 
 def target_seeds(target: str, tasks: int) -> list[int]:
     """The held-out tasks the improver evaluates on when none are given: the first ``tasks``
-    test seeds of the target ``target`` (:func:`~trace_plugin.environments.catalog.load_target`)."""
+    test seeds of the target ``target`` (:func:`~trace_plugin.environments.catalog.load_target`),
+    with a warning when the target has more: a verdict on fewer tasks than a team wrote
+    should not pass unseen."""
     try:
-        return list(load_target(target).test_seeds)[:tasks]
+        seeds = list(load_target(target).test_seeds)
     except (UnknownEnvironment, TargetError) as exc:
         raise ConfigError("target", str(exc)) from exc
+    if len(seeds) > tasks:
+        warnings.warn(
+            f"the improver evaluates on the first {tasks} of the {len(seeds)} test tasks of target {target!r}"
+            " (ImproverConfig.target_tasks, or target_seeds to name them)",
+            stacklevel=3,
+        )
+    return seeds[:tasks]
