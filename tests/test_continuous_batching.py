@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -125,3 +126,20 @@ def test_a_seeded_request_draws_the_same_reply_whatever_runs_beside_it(backend):
     by_itself = asyncio.run(run(False))
     assert asyncio.run(run(True)) == by_itself
     assert asyncio.run(run(False)) == by_itself
+
+
+def test_close_returns_once_the_engine_thread_has_ended_and_a_later_request_starts_another(backend):
+    """A server stopping waits for the engine: an engine thread still inside torch while the
+    interpreter exits aborted the process (exit 134) on a 2-core AVX2 machine."""
+
+    async def ask_then_close() -> threading.Thread:
+        await backend.generate(prompt(backend, QUESTIONS[0]), SamplingParams(max_tokens=4), None)
+        engine = backend._engine
+        assert engine is not None and engine.is_alive()
+        await backend.close()
+        return engine
+
+    engine = asyncio.run(ask_then_close())
+    assert not engine.is_alive() and backend._engine is None
+    [again] = asyncio.run(backend.generate(prompt(backend, QUESTIONS[1]), SamplingParams(max_tokens=2), None))
+    assert again.token_ids  # a request after close starts a new engine

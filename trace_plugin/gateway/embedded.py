@@ -44,6 +44,7 @@ from trace_plugin.generation import Fold, Ids, Layers, SlotCache, draw, layers, 
 from trace_plugin.model_files import Precision, load_model, resolve_model
 
 _ROUND = 256  # slot capacity grows in steps of this many positions
+CLOSE_WAIT = 30.0  # seconds close() waits for the engine thread to finish its rows
 
 
 @dataclass(slots=True, eq=False)
@@ -241,10 +242,14 @@ class EmbeddedBackend:
         return set(self._adapters)
 
     async def close(self) -> None:
-        """The engine thread ends once it has nothing to do (a later request starts another)."""
+        """The engine thread ends once it has nothing to do (a later request starts another);
+        returns once it has (up to ``CLOSE_WAIT`` seconds)."""
         with self._engine_lock:
             self._closing = True
             self._submitted.put(None)  # wakes an idle engine to see it
+            engine = self._engine
+        if engine is not None:
+            await asyncio.to_thread(engine.join, CLOSE_WAIT)
 
     # -- the engine (its own thread) -----------------------------------------------------------
 
