@@ -72,6 +72,7 @@ def hashed_rewards(env_factory: Callable[[], Any]) -> Callable[[], Any]:
 
 class ReportingTrainer(ExpertTrainer):
     def __init__(self, config: Any, env_factory: Callable[[], Any], *args: Any, **kwargs: Any) -> None:
+        kwargs["levels"] = [hashed_rewards(level) for level in kwargs.get("levels", ())]  # GRPO plays these
         super().__init__(config, hashed_rewards(env_factory), *args, **kwargs, callbacks=[Steps()])
 
 
@@ -80,8 +81,10 @@ training.executors.ExpertTrainer = ReportingTrainer  # what the local executor t
 
 class PausingImprover(Improver):
     deploying: str | None = None  # the deployment _deploy is switching to
+    stage: str | None = None  # the stage whose job runs now
 
     async def _job(self, cycle: str, stage: str, key: str, work: Callable[[], Any]) -> Any:
+        self.stage = stage
         outputs = await super()._job(cycle, stage, key, work)
         pause(f"{stage}:done")
         return outputs
@@ -93,7 +96,8 @@ class PausingImprover(Improver):
 
     async def _play_spec(self, spec: EnvSpec, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
         results = await super()._play_spec(spec, model, seeds)
-        pause("evaluate:played")  # only the evaluation plays environments here: the router is static
+        if self.stage == "evaluate":  # the screen plays environments too
+            pause("evaluate:played")
         return results
 
     async def _deploy(self, deployment: Deployment) -> Deployed:
