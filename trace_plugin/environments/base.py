@@ -189,14 +189,16 @@ def task_key(prompt: str, tools: list[dict[str, Any]] | None) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def seed_key(factory: Callable[[], Environment], seed: int) -> str:
+    """The key (:func:`task_key`) of ``factory``'s task on ``seed``."""
+    env = factory()
+    task = env.reset(seed)
+    return task_key(task.prompt, offered_tools(env, task))
+
+
 def task_keys(factory: Callable[[], Environment], seeds: Sequence[int]) -> set[str]:
     """The keys of ``factory``'s tasks on ``seeds``: the tasks an evaluation plays."""
-    keys = set()
-    for seed in seeds:
-        env = factory()
-        task = env.reset(seed)
-        keys.add(task_key(task.prompt, offered_tools(env, task)))
-    return keys
+    return {seed_key(factory, seed) for seed in seeds}
 
 
 def unseen_seeds(
@@ -206,13 +208,7 @@ def unseen_seeds(
     must not be one the warm start memorized or an evaluation plays, or its groups go flat."""
     if not exclude:
         return list(seeds)
-    kept = []
-    for seed in seeds:
-        env = factory()
-        task = env.reset(seed)
-        if task_key(task.prompt, offered_tools(env, task)) not in exclude:
-            kept.append(seed)
-    return kept
+    return [seed for seed in seeds if seed_key(factory, seed) not in exclude]
 
 
 class Environment(Protocol):

@@ -152,10 +152,10 @@ def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> 
         max_completion_length=reply_tokens(config, record.spec),
         max_turns=episode_turns(config, record.spec),
     )
-    if training.max_turns < turn_budget(record.spec):
+    if training.max_turns < (needed := turn_budget(record.spec)):
         improver.console.log(
             f"[yellow]{capability}: max_turns {training.max_turns}, as training sets it, is fewer than "
-            f"its longest reference play needs ({turn_budget(record.spec)}): longer plays are dropped[/]"
+            f"its longest reference play needs ({needed}): longer plays are dropped[/]"
         )
     expert = store.expert(expert_id) or Expert(
         config.agent,
