@@ -225,7 +225,7 @@ def test_grpo_climbs_a_level_once_a_window_of_steps_masters_the_current_one(toke
         config.level([logged(0, 1.0), logged(0, 1.0), logged(1, 1.0), logged(1, 1.0)], 0, 1) == 1
     )  # the top
     player = EpisodePlayer(tokenizer, EchoEnv, max_turns=3, max_observation_chars=100)
-    policy = scripted(tokenizer, echo_policy)
+    policy = scripted(tokenizer, half_solved())  # in band: no step is all-success, so no climb within one
     rollouts = RolloutFunction(
         config, player, [1, 2, 3], None, lambda trainer: nullcontext(policy), levels=[EchoEnv, LevelOneEcho]
     )
@@ -236,6 +236,57 @@ def test_grpo_climbs_a_level_once_a_window_of_steps_masters_the_current_one(toke
         out = rollouts([json.dumps({"seed": 2})] * 2, step)
         rollouts.env_reward([""] * 2, out["env_reward"], log_metric=stats.__setitem__)
         assert stats["curriculum/level"] == level and ("Level one." in policy.seen[0]) == (level == 1)
+        assert stats["curriculum/climbed_groups"] == 0
+
+
+def half_solved(from_marker: str = "") -> Any:
+    """A policy that solves every ticket until one contains ``from_marker`` (any, when
+    empty); from there it echoes every other ticket (a group of two: one success, one failure)."""
+    count = iter(range(10**6))
+
+    def reply(text: str) -> str:
+        if "<tool_response>" in text or from_marker not in text:
+            return echo_policy(text)
+        return echo_policy(text) if next(count) % 2 == 0 else "No."
+
+    return reply
+
+
+class LevelTwoEcho(EchoEnv):
+    def reset(self, seed: int):
+        task = super().reset(seed)
+        return type(task)(seed, f"Level two. {task.prompt}", task.kind, task.metadata)
+
+
+def test_a_mastered_level_is_played_again_a_level_up_within_the_step(tokenizer):
+    """TRACE's band allows at most 20% all-success groups. A step whose group all succeeded
+    is played again a level up, and again, until it is in band or at the top: the first
+    step finds where the warm-started expert is in band, and no step is spent flat below
+    the top. The replays are rollouts spent, and the level reached is logged (resumes agree)."""
+    config = ExpertTrainingConfig(num_generations=2, groups_per_step=1, rollout_budget=8)
+    player = EpisodePlayer(tokenizer, EchoEnv, max_turns=3, max_observation_chars=100)
+    ladder = [EchoEnv, LevelOneEcho, LevelTwoEcho]
+    cases = (
+        (echo_policy, 2, 2),  # masters every level: climbs to the top, flat there, dropped
+        (half_solved("Level two."), 2, 2),  # in band at level two
+        (half_solved("Level one."), 1, 1),
+        (half_solved(), 0, 0),  # in band where it starts
+    )
+    for policy_fn, level, climbed in cases:
+        policy = scripted(tokenizer, policy_fn)
+        rollouts = RolloutFunction(
+            config, player, [1, 2, 3], None, lambda t, p=policy: nullcontext(p), levels=ladder
+        )
+        step = SimpleNamespace(state=SimpleNamespace(global_step=0, log_history=[]))
+        out = rollouts([json.dumps({"seed": 2})] * 2, step)
+        stats: dict[str, float] = {}
+        rollouts.env_reward([""] * 2, out["env_reward"], log_metric=stats.__setitem__)
+        assert stats["curriculum/level"] == level and stats["curriculum/climbed_groups"] == climbed
+        flat = policy_fn is echo_policy
+        assert stats["dynamic_sampling/dropped_groups"] == flat
+        # Offered one group; spent it, its replays a level up, and (flat) its resample.
+        assert stats["rollouts/offered"] == 2 and stats["rollouts/spent"] == 2 * (1 + climbed + flat)
+        assert ("Level two." in policy.seen[-1]) == (level == 2)
 
 
 def test_resampling_stays_within_the_spend_limit(tokenizer):

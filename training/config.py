@@ -53,6 +53,11 @@ class ExpertTrainingConfig:
     # before the groups go flat (an environment without levels has one).
     level_up_success: float = 0.9
     level_window: int = 2
+    # TRACE's band allows at most this share of a step's groups to be all-success: in a step
+    # with more, those groups are played again a level up (and again, up to the top level),
+    # so the first step finds the level where the warm-started expert is in band, and a
+    # mastered level costs one step's plays, not ``level_window`` flat steps.
+    max_all_success_groups: float = 0.2
     checkpoint_every: int = 10  # steps between checkpoints a re-run resumes from
     # Rollout counts (each a whole number of steps) at which the adapter is also kept, in
     # ``snapshots/<rollouts>`` of the final directory: a success-against-rollouts curve

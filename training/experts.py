@@ -44,6 +44,7 @@ import json
 import math
 import random
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -115,7 +116,7 @@ class RolloutFunction:
         # The environment's difficulty levels, easiest first (none: the player's one).
         self.levels, self.start_level = list(levels), start_level
         self._stats: dict[str, float] = {}
-        self._tasks: dict[int, Task] = {}
+        self._tasks: dict[tuple[int, int], Task] = {}
 
     def __call__(self, prompts: list[str], trainer: Any) -> dict[str, Any]:
         size, start = self.config.num_generations, time.monotonic()
@@ -127,11 +128,21 @@ class RolloutFunction:
         with self.backend(trainer) as generate:
             group_seeds = [json.loads(p)["seed"] for p in prompts[::size]]
             groups = self._play_groups(group_seeds, rng, generate)
+            room = self._replay_room(trainer.state.log_history, len(groups))
+            climbed = 0
+            while level is not None and level < len(self.levels) - 1 and room and self._mastered(groups):
+                level += 1
+                self.player.env_factory = self.levels[level]
+                retry = [i for i, g in enumerate(groups) if _all_succeeded(g)][:room]
+                room -= len(retry)
+                replayed = self._play_groups([group_seeds[i] for i in retry], rng, generate)
+                for i, group in zip(retry, replayed, strict=True):
+                    groups[i] = group
+                climbed += len(retry)
             flat = [i for i, g in enumerate(groups) if _flat(g)]
             zero_signal, resampled = len(flat), 0
             used = set(group_seeds)
             fresh = [s for s in self.seeds if s not in used]
-            room = self._resample_room(trainer.state.log_history, len(groups))
             for _ in range(self.config.resample_rounds):
                 if not flat or not fresh or not room:
                     break
@@ -157,7 +168,7 @@ class RolloutFunction:
         rollouts = [r for g in groups for r in g]
         sampled = [r for r in rollouts if not r.demonstration]  # what the policy did, alone
         unhinted = [r.reward for r in sampled if not r.hinted]
-        played = len(group_seeds) + resampled
+        played = len(group_seeds) + climbed + resampled
         self._stats = {
             "rollouts/offered": len(group_seeds) * size,
             "rollouts/spent": played * size,  # resampled groups were played too
@@ -171,6 +182,7 @@ class RolloutFunction:
             "episodes/turns": sum(r.turns for r in sampled) / len(sampled),
             "dynamic_sampling/zero_signal_groups": zero_signal,
             "dynamic_sampling/resampled_groups": resampled,
+            "curriculum/climbed_groups": climbed,
             "dynamic_sampling/demonstrations": demonstrated,
             "dynamic_sampling/dropped_groups": len(flat),
             "timing/rollout_seconds": time.monotonic() - start,
@@ -185,11 +197,16 @@ class RolloutFunction:
             "env_reward": [r.reward for r in rollouts],
         }
 
-    def _resample_room(self, history: Sequence[dict[str, Any]], groups: int) -> int:
-        """How many groups this step may replay: within ``spend_limit`` (after this step's
-        own groups and the steps before it, as logged), or as many as asked."""
+    def _mastered(self, groups: list[list[Rollout]]) -> bool:
+        """Whether more of the step's groups all succeeded than TRACE's band allows."""
+        return sum(map(_all_succeeded, groups)) > self.config.max_all_success_groups * len(groups)
+
+    def _replay_room(self, history: Sequence[dict[str, Any]], groups: int) -> int:
+        """How many groups this step may replay (a level up, or resampled): within
+        ``spend_limit`` (after this step's own groups and the steps before it, as logged);
+        without one, the levels and ``resample_rounds`` are the only bounds."""
         if self.config.spend_limit is None:
-            return groups * self.config.resample_rounds
+            return sys.maxsize
         spent = (
             int(sum(entry.get("rollouts/spent", 0) for entry in history))
             + groups * self.config.num_generations
@@ -242,13 +259,18 @@ class RolloutFunction:
         return [rollouts[i : i + size] for i in range(0, len(rollouts), size)]
 
     def _task(self, seed: int) -> Task:
-        if seed not in self._tasks:
-            self._tasks[seed] = self.player.env_factory().reset(seed)
-        return self._tasks[seed]
+        key = (id(self.player.env_factory), seed)  # one task per level and seed
+        if key not in self._tasks:
+            self._tasks[key] = self.player.env_factory().reset(seed)
+        return self._tasks[key]
 
 
 def _flat(group: list[Rollout]) -> bool:
     return len({r.reward for r in group}) == 1
+
+
+def _all_succeeded(group: list[Rollout]) -> bool:
+    return all(reward_succeeds(r.reward) for r in group)
 
 
 def _informative_unhinted(group: list[Rollout]) -> bool:
