@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 from trace_plugin.environments.base import ToolCall
 from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.environments.retail import POLICY, TOOLS
-from trace_plugin.environments.synthesis import FAMILIES, Observations, synthesize
+from trace_plugin.environments.synthesis import FAMILIES, Observations, observed_preconditions, synthesize
 from trace_plugin.environments.validation import Band, adjust, calibrate, check_policies
+from trace_plugin.mining.detectors import Trajectory
 from trace_plugin.mining.kinds import KINDS, FamilyName
-from trace_plugin.records.env_spec import WRITES, EnvSpec, SpecError, parse_spec
+from trace_plugin.records.env_spec import WRITES, EnvSpec, SpecError, check_spec, parse_spec
 from trace_plugin.records.expert import Expert
 from trace_plugin.records.router_spec import CorpusEntry
 from trace_plugin.store import Store
@@ -450,3 +451,77 @@ def test_write_guards_come_from_the_writes_that_went_through_in_traffic(db_url):
     spec = synthesize("multi_step_completion", TOOLS, system_prompt=POLICY, observations=unseen)
     assert spec.tool("cancel_order").guard == {"status": ["pending"]}  # not "cancelled"
     store.close()
+
+
+def test_write_preconditions_come_from_the_targets_own_refusals(db_url, monkeypatch):
+    """Retail refuses every write until find_user succeeded ("identify the user before
+    changing an order"), and the synthesized writes never called it: an expert trained there
+    wrote without identifying the user, and the target refused it. The environment now
+    refuses as the target does, with the target's words, and its tickets say who the user
+    is, as the target's users do."""
+    from trace_plugin.environments import planted
+    from trace_plugin.environments.retail import TRAIN_SEEDS
+    from trace_plugin.environments.synthesis import CapturedInterface
+
+    def skips_identity(task, env):  # writes straight after the read: the target refuses
+        calls, texts, answer = planted._competent(task, env)
+        return [c for c in calls if c["name"] != "find_user"], texts, answer
+
+    monkeypatch.setitem(planted.POLICIES, "skips_identity", skips_identity)
+    store = Store(db_url)
+    store.upgrade()
+    for policies in (("skips_identity",), ("skips_identity", "competent")):
+        agent = "+".join(policies)
+        episodes = planted.corpus(list(TRAIN_SEEDS)[:24], policies)
+        for e in episodes:
+            e.agent = agent
+        store.write([r for e in episodes for r in (e, *e.steps)])
+        captured = CapturedInterface.from_store(store, agent)
+        refused = captured.observations.preconditions["cancel_order"]
+        # Refusals alone: the policy sentence worded like the error names find_user. With
+        # writes that went through after it, the traffic alone says so.
+        assert refused.tools == ("find_user",), agent
+        assert refused.error == "identify the user before changing an order"
+        spec = synthesize(
+            "write_completion", TOOLS, system_prompt=POLICY, observations=captured.observations
+        )
+        # Writes the traffic says nothing about need what another write on orders needs.
+        assert {t.name: t.requires for t in spec.tools if t.behaviour == "update"} == {
+            name: ["find_user"] for name in ("cancel_order", "modify_address", "return_items", "exchange_items")
+        }
+        env = SpecEnv(spec)
+        for seed in range(6):
+            task = env.reset(seed)
+            assert task.metadata["satisfiable"], task.metadata["reference_errors"]
+            reference = task.metadata["reference"]
+            assert reference[0]["name"] == "find_user"
+            email = reference[0]["arguments"]["email"]
+            assert f"My email is {email}." in task.prompt
+            write = reference[-1]
+            assert json.loads(env.step(ToolCall(write["name"], write["arguments"]))) == {
+                "error": "identify the user before changing an order"
+            }
+            for action in reference:
+                assert "error" not in json.loads(env.step(ToolCall(action["name"], action["arguments"])))
+            assert env.reward("done").total == 1.0
+    # One refusal is no rule, and a competent agent's traffic shows no refusal at all.
+    competent = planted.corpus(list(TRAIN_SEEDS)[:24], ("competent",))
+    trajectories = [Trajectory.from_episode(e) for e in competent]
+    assert observed_preconditions(trajectories, POLICY)["cancel_order"].tools == ()
+    plays = (Trajectory.from_episode(planted.episode("skips_identity", s)) for s in range(24))
+    lone = [t for t in plays if [c.name for c in t.calls if c.error] == ["cancel_order"]]
+    assert "cancel_order" not in observed_preconditions(lone[:1], POLICY)
+    assert observed_preconditions(lone, POLICY)["cancel_order"].tools == ("find_user",)
+    assert "cancel_order" not in observed_preconditions(lone, "")  # nothing links the error to a tool
+    store.close()
+
+
+def test_a_spec_may_require_only_its_own_other_tools():
+    spec = synthesize("write_completion", TOOLS, system_prompt=POLICY)
+    cancel = spec.tool("cancel_order")
+    for requires in (["cancel_order"], ["no_such_tool"]):
+        broken = spec.model_copy(
+            update={"tools": [cancel.model_copy(update={"requires": requires}) if t is cancel else t for t in spec.tools]}
+        )
+        with pytest.raises(SpecError, match="requires"):
+            check_spec(broken)

@@ -71,6 +71,7 @@ class SpecEnv:
         self.offered: frozenset[str] = frozenset(t.name for t in spec.tools)
         self.rows: Rows = {}
         self.calls: list[ToolCall] = []
+        self._succeeded: set[str] = set()  # tools called without an error this episode
         self._expected: Rows = {}
         self._done = False
         self._creates = 0
@@ -87,7 +88,7 @@ class SpecEnv:
         if self.spec.difficulty.single_step:
             reference = reference[-1:]
         facts = [_fill(f, values) for f in template.facts]
-        self.calls, self._done, self._creates = [], False, 0
+        self.calls, self._succeeded, self._done, self._creates = [], set(), False, 0
         initial = copy.deepcopy(self.rows)
         failures = []
         for action in reference:
@@ -97,7 +98,7 @@ class SpecEnv:
             elif self.spec.tool(action["name"]).behaviour == "respond":
                 facts.append(json.loads(observation)["result"])  # what the call was for: tell it
         self._expected, self.rows = self.rows, initial
-        self.calls, self._done, self._creates = [], False, 0
+        self.calls, self._succeeded, self._done, self._creates = [], set(), False, 0
         metadata = {
             "reference": reference,
             "facts": facts,
@@ -131,10 +132,15 @@ class SpecEnv:
         problem = argument_problem(tool.parameters, call.arguments)
         if problem:
             return _error(f"bad arguments for {call.name}: {problem}")
+        missing = [name for name in tool.requires if name not in self._succeeded]
+        if missing:
+            return _error(tool.requires_error or f"call {' and '.join(missing)} first")
         try:
-            return json.dumps(self._run(tool, call.arguments))
+            result = json.dumps(self._run(tool, call.arguments))
         except ToolError as exc:
             return _error(str(exc))
+        self._succeeded.add(call.name)
+        return result
 
     def reward(self, answer: str = "") -> RewardBreakdown:
         if self.task is None:

@@ -55,6 +55,14 @@ _POOLS: dict[str, list[str]] = {
 
 
 @dataclass(frozen=True, slots=True)
+class Precondition:
+    """Tools that must succeed before a write goes through, and the target's error without them."""
+
+    tools: tuple[str, ...]
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
 class Observations:
     """What production traffic showed: argument and result values by name, the statuses
     each write tool's target had when it went through (its guard), and how users worded
@@ -65,6 +73,8 @@ class Observations:
     guards: Mapping[str, Sequence[str]] = field(default_factory=dict)
     # tool -> requests that one call of it answered, its argument values as {name}s
     phrasings: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    # write tool -> the tools the target refused it without, and its words when it did
+    preconditions: Mapping[str, Precondition] = field(default_factory=dict)
 
     @classmethod
     def from_calls(cls, calls: Iterable[tuple[dict[str, Any], Any]]) -> Observations:
@@ -104,6 +114,66 @@ def observed_guards(trajectories: Iterable[Trajectory]) -> dict[str, list[str]]:
                     if key.endswith("_id") and isinstance(value, str) and isinstance(status, str):
                         status_of[value] = status
     return {name: sorted(statuses) for name, statuses in guards.items()}
+
+
+def observed_preconditions(trajectories: Iterable[Trajectory], policy: str = "") -> dict[str, Precondition]:
+    """Per write tool, what the target refused it without, from one same error seen twice at
+    least (so that one refusal's own cause is not taken for a rule): the tools that had
+    succeeded before every call of it that went through and before none of those refusals;
+    where no call went through, the tools the target's ``policy`` (its system prompt) names
+    in a sentence worded like the error. So "identify the user before changing an order",
+    and the policy's "Identify the user with find_user before changing anything", make
+    ``find_user`` a precondition of the write."""
+    went_through: dict[str, set[str]] = {}  # write -> tools that succeeded before each of its successes
+    refused: dict[str, dict[str, list[set[str]]]] = {}  # write -> error -> what had succeeded before each
+    tools: set[str] = set()
+    for t in trajectories:
+        tools |= t.tools_offered | {call.name for call in t.calls}
+        succeeded: set[str] = set()
+        for call in t.calls:
+            if guess_role(call.name) == "write":
+                if not call.error:
+                    went_through[call.name] = went_through.get(call.name, succeeded) & succeeded
+                elif (error := _error_text(call.result)) is not None:
+                    refused.setdefault(call.name, {}).setdefault(error, []).append(set(succeeded))
+            if not call.error:
+                succeeded = succeeded | {call.name}
+    found: dict[str, Precondition] = {}
+    for write, errors in refused.items():
+        for error, priors in sorted(errors.items(), key=lambda item: -len(item[1])):
+            if len(priors) < 2:
+                break
+            if write in went_through:
+                missing = set.intersection(*(went_through[write] - prior for prior in priors)) - {write}
+            else:
+                missing = {t for t in _named_beside(policy, error, tools) if guess_role(t) != "write"}
+            if missing:
+                found[write] = Precondition(tuple(sorted(missing)), error)
+                break
+    for write in went_through.keys() - found.keys():
+        found[write] = Precondition((), "")  # it went through, and no refusal says what it needs
+    return found
+
+
+_FILLER = frozenset({"with", "that", "this", "from", "have", "your", "only", "what", "when", "then", "into"})
+
+
+def _named_beside(policy: str, error: str, tools: set[str]) -> set[str]:
+    """The tools named in a sentence of ``policy`` that shares two words or more with ``error``."""
+    words = lambda text: {w for w in re.findall(r"[a-z]+", text.lower()) if len(w) >= 4} - _FILLER  # noqa: E731
+    said = words(error)
+    named: set[str] = set()
+    for sentence in re.split(r"(?<=[.!?;])\s+|\n", policy):
+        if len(words(sentence) & said) >= 2:
+            named |= {t for t in tools if re.search(rf"(?<![\w]){re.escape(t)}(?![\w])", sentence)}
+    return named
+
+
+def _error_text(result: str) -> str | None:
+    """The message of a tool's error result (``{"error": "..."}`` or plain text)."""
+    parsed = arguments_object(result)
+    message = parsed.get("error") if isinstance(parsed, dict) else result
+    return message.strip()[:200] if isinstance(message, str) and message.strip() else None
 
 
 def observed_phrasings(trajectories: Iterable[Trajectory], most: int = 4) -> dict[str, list[str]]:
@@ -167,6 +237,20 @@ class Interface:
             binding = self._bind(schema)
             if binding is not None:
                 self.bindings[binding.name] = binding
+        shown = self.observations.preconditions
+        for name, binding in list(self.bindings.items()):
+            # A write the traffic says nothing about needs what another write on its table
+            # needs ("identify the user before changing anything").
+            precondition = shown.get(name) or next(
+                (shown[other.name] for other in self.bindings.values()
+                 if other.behaviour == "update" and other.table == binding.table and shown.get(other.name)
+                 and shown[other.name].tools),
+                None,
+            ) if binding.behaviour == "update" else None
+            requires = [t for t in precondition.tools if t in self.bindings and t != name] if precondition else []
+            if requires:
+                update = {"requires": requires, "requires_error": precondition.error}  # type: ignore[union-attr]
+                self.bindings[name] = binding.model_copy(update=update)
 
     def _id_column(self, noun: str) -> Column:
         examples = self.observations.values.get(f"{noun}_id", ())
@@ -183,7 +267,10 @@ class Interface:
 
     def _column(self, param: str) -> Column:
         observed = list(self.observations.values.get(param, ()))
-        if observed:
+        # One or two values of what identifies a person seen (one user's email) would give
+        # every row the same value, and a search by it would find them all: we make more.
+        identifying = param in ("email", "first_name", "last_name") or "zip" in param
+        if observed and (len(observed) >= 3 or not identifying):
             return Column(kind="choice" if len(observed) <= 8 else "text", values=observed)
         if param in _POOLS:
             return Column(kind="text", values=_POOLS[param])
@@ -331,6 +418,7 @@ class CapturedInterface:
             Observations.from_calls(calls),
             guards=observed_guards(trajectories),
             phrasings=observed_phrasings(trajectories),
+            preconditions=observed_preconditions(trajectories, system_prompt),
         )
         return cls(store.tool_schemas(agent), system_prompt, observed, examples)
 
@@ -463,13 +551,17 @@ def _writes(interface: Interface, *, allowed: bool) -> tuple[list[TaskTemplate],
         verb = name_words(writer.name)[0]
         read = Action(tool=lookup.name, arguments={lookup.key: f"{{x.{table.key}}}"})
         write = Action(tool=writer.name, arguments=arguments)
+        before = _prerequisites(interface, writer) if allowed else ([], {}, "")
+        if before is None:
+            continue  # a prerequisite the ticket cannot give the user's side of
+        first, slots, says = before
         tasks.append(
             TaskTemplate(
                 kind=f"{verb}_{noun}" if allowed else f"refuse_{verb}_{noun}",
-                slots={"x": {"table": noun, "where": {"status": state}}},
+                slots={"x": {"table": noun, "where": {"status": state}}, **slots},
                 params=params,
-                prompt=f"Please {verb} my {noun} {{x.{table.key}}}" + (f" ({asks})." if asks else "."),
-                reference=[read, write] if allowed else [read],
+                prompt=f"Please {verb} my {noun} {{x.{table.key}}}" + (f" ({asks})." if asks else ".") + says,
+                reference=[*first, read, write] if allowed else [read],
                 facts=[] if allowed else ["{x.status}"],
                 forbidden=[] if allowed else [writer.name],
                 answer=f"Your {noun} {{x.{table.key}}} is {past_tense(verb)}."
@@ -477,8 +569,29 @@ def _writes(interface: Interface, *, allowed: bool) -> tuple[list[TaskTemplate],
                 else f"I cannot {verb} {noun} {{x.{table.key}}}: it is {{x.status}}.",
             )
         )
-        needed += [lookup.name, writer.name]
+        needed += [*(a.tool for a in first), lookup.name, writer.name]
     return tasks, needed
+
+
+def _prerequisites(
+    interface: Interface, writer: ToolSpec
+) -> tuple[list[Action], dict[str, dict[str, Any]], str] | None:
+    """The calls ``writer`` requires before it, the rows they need (slots ``p0``, ``p1``...)
+    and what the ticket says so that the agent can make them ("My email is ..."), as users
+    identify themselves; None where a required tool is neither a search nor a lookup."""
+    actions, slots, says = [], {}, ""
+    for i, name in enumerate(writer.requires):
+        tool, slot = interface.bindings[name], f"p{i}"
+        if tool.behaviour == "list" and tool.table:
+            argument, column = next(iter(tool.filters.items()))
+        elif tool.behaviour == "lookup" and tool.table and tool.key:
+            argument, column = tool.key, interface.tables[tool.table].key
+        else:
+            return None
+        actions.append(Action(tool=name, arguments={argument: f"{{{slot}.{column}}}"}))
+        slots[slot] = {"table": tool.table}
+        says += f" My {column.replace('_', ' ')} is {{{slot}.{column}}}."
+    return actions, slots, says
 
 
 def _preconditions(interface: Interface) -> tuple[list[TaskTemplate], list[Check], list[str]]:
@@ -564,7 +677,8 @@ def _pairs() -> list[tuple[str, str]]:
 
 
 def _pairs_of(tasks: list[TaskTemplate]) -> list[tuple[Action, Action]]:
-    return [(t.reference[0], t.reference[1]) for t in tasks if len(t.reference) >= 2]
+    """Each ticket's last two calls: the read, then the write it checks."""
+    return [(t.reference[-2], t.reference[-1]) for t in tasks if len(t.reference) >= 2]
 
 
 def _unique_checks(checks: list[Check]) -> list[Check]:

@@ -100,6 +100,10 @@ class ToolSpec(_Model):
     sets: dict[str, str] = Field(default_factory=dict)  # column -> "$argument" or a literal
     op: Literal["count", "sum", "min", "max"] | None = None  # compute
     column: str | None = None  # compute
+    # Tools that must have succeeded earlier in the episode before this one runs (the
+    # target refused it until they had), and the target's words when they have not.
+    requires: list[str] = Field(default_factory=list)
+    requires_error: str = ""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -257,6 +261,9 @@ def _tool(spec: EnvSpec, tool: ToolSpec) -> None:
     if parameters.get("type", "object") != "object" or not isinstance(parameters.get("properties", {}), dict):
         raise SpecError(f"tool {tool.name}: parameters must be a JSON object schema")
     arguments = set(parameters.get("properties", {}))
+    for required in tool.requires:
+        if required == tool.name or spec.tool(required) is None:
+            raise SpecError(f"tool {tool.name}: requires {required!r}, which is not another of its tools")
     if tool.behaviour in ("terminate", "respond"):
         return
     table = spec.tables.get(tool.table or "")
