@@ -48,13 +48,21 @@ def test_a_deficit_every_episode_shares_is_selected_as_pervasive_after_contrasti
         "planted": [L] * 8 + [P] * 2 + [P] * 10,
         "everywhere": [L] * 20,
         "mostly": [L] * 10 + [L] * 8 + [P, NA],  # 8 of 9 labeled successes lack it: below the 0.9 bar
+        # The write no ticket got: missing wherever a write was asked (6 failures, and the 4
+        # refusal tickets that succeeded anyway), not applicable elsewhere.
+        "writes": [L] * 6 + [NA] * 4 + [L] * 4 + [NA] * 6,
     }
     ranked = select([(labels, success)] * 10)
     assert [(s.capability, s.selected, s.reason) for s in ranked] == [
         ("planted", True, "contrast"),
         ("everywhere", True, "pervasive"),
+        ("writes", True, "pervasive"),
         ("mostly", False, "contrast"),
     ]
+    # Missing wherever it applies, but from 1 failure in 10: below a coverage of 0.15.
+    rare = {"rare": [L] + [NA] * 9 + [L] * 10}
+    assert select([(rare, success)] * 10)[0].selected
+    assert not select([(rare, success)] * 10, SelectionRule(rho=0.15))[0].selected
     assert ranked[1].passed == 10
 
 

@@ -20,8 +20,11 @@ One extension, ours: a deficit every episode shares has Δ = 0, because successe
 did not need the capability lack it too (a model that cannot format a tool call at all
 still "succeeds" where refusing was right). The contrast rule cannot see it, yet it is
 the first thing to train. A run also passes *pervasively* when the capability is missing
-from at least ``pervasive`` of both the failed and the successful episodes; K such runs
-select it, ranked after the contrastive selections. ``pervasive=None`` is the paper's rule.
+from at least ``pervasive`` of both the failed and the successful episodes it applies to
+(ER- and ER+) and its coverage reaches ρ; K such runs select it, ranked after the
+contrastive selections. ``pervasive=None`` is the paper's rule. (Applicable, not all: a
+write the agent never makes applies only to the tickets that ask for one, yet where the
+rest succeed, refusing being right, the contrast rule cannot see it either.)
 """
 
 from __future__ import annotations
@@ -68,7 +71,11 @@ class RunMetrics:
         return self.coverage >= rule.rho and self.contrast >= rule.delta
 
     def pervasive(self, rule: SelectionRule) -> bool:
-        return rule.pervasive is not None and min(self.coverage, self.er_success) >= rule.pervasive
+        return (
+            rule.pervasive is not None
+            and self.coverage >= rule.rho
+            and min(self.er_failed, self.er_success) >= rule.pervasive
+        )
 
 
 @dataclass(frozen=True, slots=True)
