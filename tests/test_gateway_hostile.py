@@ -501,3 +501,61 @@ def test_no_body_gets_a_5xx_and_every_4xx_is_in_openai_shape(client, request):
     assert r.status_code < 500, (path, data[:300], r.text[:300])
     if r.status_code >= 400:
         assert_openai_error(r)
+
+
+# -- lone surrogates, stored as U+FFFD on both stores ------------------------------------
+
+
+def test_lone_surrogates_from_a_client_are_stored_as_replacement_characters_on_both_stores(
+    backend, db_url, tmp_path
+):
+    """``\\ud800`` escapes arrive in ASCII JSON, which the payload check skips: SQLite kept
+    them, so exports died (``surrogates not allowed``) and the dashboard answered 500, and
+    PostgreSQL's jsonb refused the step and the whole batch. An escaped escape in a call's
+    arguments becomes a lone surrogate only when the arguments are parsed. Both stores now
+    hold U+FFFD, the same, exports finish and the pages answer 200; emoji stay."""
+    from fastapi.testclient import TestClient
+
+    from trace_plugin.dashboard.app import create_dashboard
+    from trace_plugin.export import dataset, write_jsonl
+
+    recorder = Recorder(db_url, retry_interval=0.05)
+    config = GatewayConfig(adapter_root=tmp_path / "adapters", agent="hostile", allow_remote_admin=True)
+    tool = {
+        "type": "function",
+        "function": {"name": "get_order", "description": "Find \ud800 an order \U0001F600", "parameters": {
+            "type": "object", "properties": {"order_id": {"type": "string"}}}},
+    }
+    call = {"id": "c1", "type": "function", "function": {"name": "get_order", "arguments": '{"order_id": "\\ud800 #W1"}'}}
+    body = chat(
+        messages=[
+            {"role": "user", "content": "Where is my order? \udc00 \U0001F600"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "pending \ud800"},
+        ],
+        tools=[tool],
+    )
+    raw = json.dumps(body).encode()  # ASCII: the lone surrogates travel as escapes
+    assert b"\\ud800" in raw and b"\\ud83d\\ude00" in raw
+    with TestClient(create_app(backend, config=config, recorder=recorder)) as client:
+        r = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+        episode_id = r.headers["x-trace-episode"]
+    assert recorder.flush(10) and recorder.dropped == 0
+    [step] = recorder.store.get_episode(episode_id).steps
+    messages = step.input["messages"]
+    assert messages[0]["content"] == "Where is my order? \ufffd \U0001F600"
+    assert messages[2]["content"] == "pending \ufffd"
+    stored = recorder.store.tool_schemas("hostile")
+    assert stored[0]["function"]["description"] == "Find \ufffd an order \U0001F600"
+    for format in ("trl", "openai"):
+        path = tmp_path / f"{format}.jsonl"
+        assert write_jsonl(dataset(recorder.store, "hostile", format=format), path) == 1
+        [row] = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+        assert "\ufffd #W1" in json.dumps(row, ensure_ascii=False)  # the escaped escape, parsed
+    with TestClient(create_dashboard(recorder.store)) as dashboard:
+        assert dashboard.get(f"/episodes/{episode_id}").status_code == 200
+        export = dashboard.get(f"/export/trl/{episode_id}")
+        assert export.status_code == 200 and "\ufffd #W1" in export.text
+    recorder.close(10)
+    recorder.store.close()

@@ -11,6 +11,7 @@ the gateway and the trainer produce exactly the same tokens for the same convers
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from typing import Any
 
@@ -92,10 +93,28 @@ def content_text(content: Any) -> str:
 
 
 def arguments_object(arguments: Any) -> Any:
-    """Tool-call arguments as an object when they parse, else as given."""
+    """Tool-call arguments as an object when they parse, else as given. A lone surrogate's
+    escape in them (stored as text, harmless there) becomes U+FFFD as it is parsed: no
+    UTF-8 file or database can hold the character itself."""
     if isinstance(arguments, str):
         try:
-            return json.loads(arguments)
+            parsed = json.loads(arguments)
         except json.JSONDecodeError:
             return arguments
+        return _no_lone_surrogates(parsed) if "\\u" in arguments else parsed
     return arguments if arguments is not None else {}
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_lone_surrogates(value: Any) -> Any:
+    """``value`` with every lone surrogate in its strings and keys made U+FFFD (a parsed
+    pair is one character already, so any surrogate left is lone)."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_no_lone_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_no_lone_surrogates(k): _no_lone_surrogates(v) for k, v in value.items()}
+    return value

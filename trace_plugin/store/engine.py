@@ -38,15 +38,21 @@ class JsonText(str):
     __slots__ = ()
 
 
-# A JSON ``\u0000`` escape not itself escaped: an even run of backslashes before it.
-_NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+# In JSON text, left to right: an escaped backslash, a surrogate pair's two escapes (an
+# emoji), or a lone surrogate's or NUL's escape; only the last two are replaced.
+_ESCAPES = re.compile(r"\\\\|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\u(?:[dD][89a-fA-F][0-9a-fA-F]{2}|0000)")
+
+
+def _storable(match: re.Match[str]) -> str:
+    return match[0] if len(match[0]) in (2, 12) else "\\ufffd"
 
 
 def json_for_store(value: Any) -> str:
-    """JSON text every backend stores alike: PostgreSQL's jsonb rejects ``\u0000``, SQLite
-    keeps it, so the escape becomes U+FFFD's on both."""
+    r"""JSON text every backend stores alike: PostgreSQL's jsonb rejects ``\u0000`` and a lone
+    surrogate's escape (``\ud800``), which SQLite keeps, and which no export could then
+    encode as UTF-8; both become U+FFFD's escape on both. Surrogate pairs stay."""
     text = value if isinstance(value, JsonText) else json.dumps(value)
-    return _NUL_ESCAPE.sub(r"\1\\ufffd", text) if "\\u0000" in text else text
+    return _ESCAPES.sub(_storable, text) if "\\u" in text else text
 
 
 def make_engine(url: str) -> Engine:
