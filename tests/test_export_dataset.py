@@ -36,6 +36,7 @@ from trace_plugin.export import (
     UNPLAYABLE,
     ExportError,
     dataset,
+    openai_problems,
     reference_plays,
     write_jsonl,
 )
@@ -243,101 +244,9 @@ def test_the_cli_writes_each_format_with_a_progress_bar_and_says_what_it_left_ou
 
 # -- OpenAI's format ------------------------------------------------------------------------
 
-_ROLE_KEYS = {
-    "system": {"role", "content", "name"},
-    "developer": {"role", "content", "name"},
-    "user": {"role", "content", "name"},
-    "assistant": {"role", "content", "name", "tool_calls", "weight"},
-    "tool": {"role", "content", "tool_call_id"},
-}
-_FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-
-
-def openai_problems(line: str) -> list[str]:
-    """Why ``line`` is not an example of OpenAI's supervised chat fine-tuning format, as its
-    guide and API reference document it: a ``messages`` list (and optionally ``tools``, an
-    array of function tools, and ``parallel_tool_calls``); roles system, developer, user,
-    assistant and tool with their own keys; tool calls with an id, type ``function`` and
-    ``arguments`` a JSON string holding an object; every call answered by a tool message
-    with its id before the conversation goes on; and a final assistant message."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        return [f"not JSON: {exc}"]
-    if not isinstance(row, dict):
-        return ["not an object"]
-    problems = [f"unknown key {k!r}" for k in row if k not in {"messages", "tools", "parallel_tool_calls"}]
-    tools = row.get("tools", [])
-    if not isinstance(tools, list):
-        return [*problems, "tools is not an array"]
-    for tool in tools:
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not (isinstance(function, dict) and tool.get("type") == "function"):
-            problems.append(f"tool {tool!r:.60} is not a function tool")
-            continue
-        if not _FUNCTION_NAME.match(str(function.get("name"))):
-            problems.append(f"tool name {function.get('name')!r} is not allowed")
-        if not isinstance(function.get("parameters", {}), dict):
-            problems.append(f"tool {function.get('name')!r}: parameters is not an object")
-    messages = row.get("messages")
-    if not isinstance(messages, list) or not messages:
-        return [*problems, "no messages"]
-    unanswered: list[str] = []
-    for i, m in enumerate(messages):
-        role = m.get("role") if isinstance(m, dict) else None
-        if role not in _ROLE_KEYS:
-            problems.append(f"message {i}: role {role!r}")
-            continue
-        problems += [f"message {i}: unknown key {k!r}" for k in m if k not in _ROLE_KEYS[role]]
-        if unanswered and role != "tool":
-            problems.append(f"message {i}: tool calls {unanswered} are not answered")
-            unanswered = []
-        content = m.get("content")
-        if role == "tool":
-            if m.get("tool_call_id") not in unanswered:
-                problems.append(f"message {i}: answers no open tool call ({m.get('tool_call_id')!r})")
-            else:
-                unanswered.remove(m["tool_call_id"])
-            if not isinstance(content, str):
-                problems.append(f"message {i}: tool content is not a string")
-        elif role == "assistant":
-            calls = m.get("tool_calls", [])
-            if not (isinstance(content, str) and content) and not calls:
-                problems.append(f"message {i}: an assistant message with neither content nor tool calls")
-            if content is not None and not isinstance(content, str):
-                problems.append(f"message {i}: content is not a string")
-            if m.get("weight", 1) not in (0, 1):
-                problems.append(f"message {i}: weight is not 0 or 1")
-            for call in calls:
-                function = call.get("function") or {}
-                arguments = function.get("arguments")
-                if not (isinstance(call.get("id"), str) and call["id"] and call.get("type") == "function"):
-                    problems.append(f"message {i}: a tool call without an id or of another type")
-                if not _FUNCTION_NAME.match(str(function.get("name"))):
-                    problems.append(f"message {i}: calls a function named {function.get('name')!r}")
-                if not isinstance(arguments, str):
-                    problems.append(f"message {i}: arguments are not a string")
-                elif not isinstance(_json_or_none(arguments), dict):
-                    problems.append(f"message {i}: arguments are not a JSON object")
-                unanswered.append(call.get("id"))
-        elif not isinstance(content, str) or not content:
-            problems.append(f"message {i}: {role} content is not a non-empty string")
-    last = messages[-1]
-    if not (isinstance(last, dict) and last.get("role") == "assistant" and not last.get("tool_calls")):
-        problems.append("the last message is not an assistant's reply")
-    return problems
-
-
-def _json_or_none(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return None
-
-
 def test_the_validator_refuses_what_openai_refuses():
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-    assert openai_problems(json.dumps(good)) == []
+    assert openai_problems(good) == []
     call = {"id": "x", "type": "function", "function": {"name": "get_order", "arguments": {"order_id": "1"}}}
     bad = [
         {**good, "metadata": {}},
@@ -347,18 +256,18 @@ def test_the_validator_refuses_what_openai_refuses():
         {"messages": [{"role": "function", "content": "hi"}, good["messages"][1]]},
     ]
     for row in bad:
-        assert openai_problems(json.dumps(row)), row
+        assert openai_problems(row), row
 
 
 def test_openai_rows_of_recorded_runs_pass_the_validator(shop, tmp_path):
     path = tmp_path / "openai.jsonl"
     assert write_jsonl(dataset(shop, "shop", format="openai"), path) == 5
     for line in path.read_text().splitlines():
-        assert openai_problems(line) == [], line
+        assert openai_problems(json.loads(line)) == [], line
     recorded = tmp_path / "langgraph.jsonl"
     assert write_jsonl(dataset(langgraph_runs(tmp_path), "support", format="openai"), recorded) == 2
     for line in recorded.read_text().splitlines():
-        assert openai_problems(line) == [], line
+        assert openai_problems(json.loads(line)) == [], line
 
 
 # -- TRL and datasets ---------------------------------------------------------------------
@@ -512,7 +421,7 @@ def test_reference_plays_are_the_warm_starts_token_for_token(env, tokenizer):
         assert ids["input_ids"] == play.prompt_ids + play.completion_ids + newline
     openai = reference_plays(factory, seeds, format="openai", examples=EXAMPLES, **limits)
     lines = [json.dumps(r) for r in openai]
-    assert lines and all(openai_problems(line) == [] for line in lines)
+    assert lines and all(openai_problems(json.loads(line)) == [] for line in lines)
 
 
 def test_export_plays_writes_a_stored_environments_plays_behind_the_agents_examples(sqlite_url, tmp_path):
@@ -602,4 +511,71 @@ def test_memory_stays_flat_over_100000_episodes(sqlite_url, tmp_path):
     assert write_jsonl(sampled(), tmp_path / "big.jsonl") == n
     settled = samples[5]  # after 10,000 rows: caches and allocator arenas in place
     assert max(samples[5:]) - settled < 16 * 2**20, [s // 2**20 for s in samples]
+    store.close()
+
+
+def test_every_openai_line_passes_the_validator_or_its_episode_is_left_out_by_reason(db_url, tmp_path):
+    """11 of 16 hostile stored episodes wrote lines OpenAI refuses, and the command exited 0:
+    OpenAI refuses a whole file over one bad line. Now each bad episode is left out, counted
+    by why."""
+    store = Store(db_url)
+    store.upgrade()
+
+    def stored(name: str, messages: list[Any], reply: Any) -> None:
+        episode = Episode(new_episode_id(), "hostile", started_at=T0)
+        step = Step(episode.id, 0, "llm", "m", input={"messages": messages}, output=reply)
+        store.write([episode, step, EpisodeEnd(episode.id, "completed", reward=1.0)])
+
+    ask = {"role": "user", "content": "ticket x: where is O-1?"}
+    bad_call = {**CALL, "function": {"name": "get_order", "arguments": "order O-1, please"}}
+    stored("fine", [ask], {"role": "assistant", "content": "O-1 is pending."})
+    stored("non-JSON arguments", [ask, {"role": "assistant", "content": None, "tool_calls": [bad_call]},
+                                  {"role": "tool", "tool_call_id": "c1", "content": "pending"}],
+           {"role": "assistant", "content": "pending"})  # fmt: skip
+    stored("empty reply", [ask], {"role": "assistant", "content": ""})
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    stored("image only", [{"role": "user", "content": [image]}], {"role": "assistant", "content": "A cat."})
+    rows = dataset(store, "hostile", format="openai")
+    path = tmp_path / "openai.jsonl"
+    assert write_jsonl(rows, path) == 1
+    assert all(openai_problems(json.loads(line)) == [] for line in path.read_text().splitlines())
+    assert dict(rows.left_out) == {
+        "not OpenAI's format: arguments are not a JSON object": 1,
+        "not OpenAI's format: an assistant message with neither content nor tool calls": 1,
+        "not OpenAI's format: user content is not a non-empty string": 1,
+    }
+    assert write_jsonl(dataset(store, "hostile", format="trl"), tmp_path / "trl.jsonl") == 4  # TRL takes them
+    store.close()
+
+
+def test_redacted_exports_mask_numbers_and_keys_and_arguments_stay_json(db_url):
+    """``--redact`` left card and phone numbers given as JSON numbers and e-mails used as
+    keys unmasked, and turned the arguments ``"\\"x@y.com\\""`` into ``[EMAIL]``, no longer
+    JSON. (OpenAI takes only objects as arguments: that episode is TRL's alone.)"""
+    from test_payload import HOSTILE_PII, UNMASKED
+
+    store = Store(db_url)
+    store.upgrade()
+    for arguments in (json.dumps(HOSTILE_PII), '"x@y.com"'):
+        episode = Episode(new_episode_id(), "pii", started_at=T0)
+        call = {"id": "c1", "type": "function", "function": {"name": "pay", "arguments": arguments}}
+        messages = [
+            {"role": "user", "content": "pay with 4111 1111 1111 1111"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "paid"},
+        ]
+        step = Step(episode.id, 0, "llm", "m", input={"messages": messages}, output={"role": "assistant", "content": "Done."})
+        store.write([episode, step, EpisodeEnd(episode.id, "completed", reward=1.0)])
+    for format in ("openai", "trl"):
+        rows = list(dataset(store, "pii", format=format, redact=True))
+        assert len(rows) == (1 if format == "openai" else 2)
+        text = json.dumps(rows)
+        assert not any(value in text for value in [*UNMASKED, "x@y.com", "4111 1111"]), format
+        parsed = [r["messages"][1]["tool_calls"][0]["function"]["arguments"] for r in rows]
+        if format == "openai":  # JSON text that still parses
+            parsed = [json.loads(p) for p in parsed]
+        pay = next(p for p in parsed if isinstance(p, dict))
+        assert pay["card"] == "[CARD]" and pay["phone"] == "[PHONE]" and pay["order"] == 1234567
+        assert {"[EMAIL]", "[EMAIL]#2"} <= set(pay)
+        assert format == "openai" or "[EMAIL]" in parsed
     store.close()

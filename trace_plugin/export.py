@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tempfile
 import uuid
 from collections import Counter, deque
@@ -39,7 +40,7 @@ import orjson
 from trace_plugin.chat_template import arguments_object, content_text
 from trace_plugin.environments.base import Environment, offered_tools, play_reference, task_key
 from trace_plugin.errors import TracePluginError
-from trace_plugin.payload import Redactor, make_redactor
+from trace_plugin.payload import Redactor, make_redactor, redact_text
 from trace_plugin.records.trajectory import SOURCES, Episode
 from trace_plugin.store import Store
 from trace_plugin.store.store import EpisodeFilter
@@ -55,6 +56,7 @@ ENDS_ON_TOOL_CALL = "ends on a tool call"
 NO_TOKEN_IDS = "no token ids"  # recorded elsewhere than the gateway
 UNPLAYABLE = "no successful reference within the turn limit"
 REPEATED = "repeats an earlier seed's task"
+NOT_OPENAI = "not OpenAI's format"  # followed by the first problem (openai_problems)
 
 _ROLE_OF = {"human": "user", "ai": "assistant"}
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -266,6 +268,8 @@ def _message(raw: Any) -> dict[str, Any] | None:
 def _tool_call(raw: dict[str, Any]) -> dict[str, Any]:
     function = raw.get("function", raw)
     arguments = function.get("arguments")
+    if isinstance(arguments, str) and "\\u" in arguments:
+        arguments = arguments_object(arguments)  # a lone surrogate's escape, parsed, is U+FFFD
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
     return {
@@ -296,7 +300,10 @@ def _rows_of_conversation(found: Conversation, format: Format) -> list[Row] | st
     """A conversation as ``format``'s one row, or why that format cannot take it."""
     if format == "openai":
         row = openai_row(found)
-        return ENDS_ON_TOOL_CALL if row is None else [row]
+        if row is None:
+            return ENDS_ON_TOOL_CALL
+        problems = openai_problems(row)  # OpenAI refuses a whole file over one bad line
+        return f"{NOT_OPENAI}: {_MESSAGE_AT.sub('', problems[0])}" if problems else [row]
     return [trl_row(found)]
 
 
@@ -352,17 +359,11 @@ def token_rows(episode: Episode) -> list[Row]:
 
 
 def _redacted(found: Conversation, redact: Redactor) -> Conversation:
-    """Message text and tool-call arguments with ``redact`` applied to every string in
-    them (arguments that parse as JSON: to the strings inside, so they still parse)."""
+    """Message text and tool-call arguments with ``redact`` applied (to arguments that are
+    JSON: to the strings, keys and numbers inside, so they still parse)."""
 
     def call(c: dict[str, Any]) -> dict[str, Any]:
-        arguments = arguments_object(c["function"]["arguments"])
-        text = (
-            redact(arguments)
-            if isinstance(arguments, str)
-            else json.dumps(_strings(arguments, redact), ensure_ascii=False)
-        )
-        return {**c, "function": {**c["function"], "arguments": text}}
+        return {**c, "function": {**c["function"], "arguments": redact_text(c["function"]["arguments"], redact)}}
 
     messages = []
     for m in found.messages:
@@ -373,14 +374,95 @@ def _redacted(found: Conversation, redact: Redactor) -> Conversation:
     return Conversation(messages, found.tools)
 
 
-def _strings(value: Any, redact: Redactor) -> Any:
-    if isinstance(value, str):
-        return redact(value)
-    if isinstance(value, list):
-        return [_strings(v, redact) for v in value]
-    if isinstance(value, dict):
-        return {k: _strings(v, redact) for k, v in value.items()}
-    return value
+# -- OpenAI's format ---------------------------------------------------------------------
+
+_ROLE_KEYS = {
+    "system": {"role", "content", "name"},
+    "developer": {"role", "content", "name"},
+    "user": {"role", "content", "name"},
+    "assistant": {"role", "content", "name", "tool_calls", "weight"},
+    "tool": {"role", "content", "tool_call_id"},
+}
+_FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_MESSAGE_AT = re.compile(r"^message \d+: ")  # reasons are counted without the place
+
+
+def openai_problems(row: Any) -> list[str]:
+    """Why ``row`` is not an example of OpenAI's supervised chat fine-tuning format, as its
+    guide and API reference document it: a ``messages`` list (and optionally ``tools``, an
+    array of function tools, and ``parallel_tool_calls``); roles system, developer, user,
+    assistant and tool with their own keys; tool calls with an id, type ``function`` and
+    ``arguments`` a JSON string holding an object; every call answered by a tool message
+    with its id before the conversation goes on; and a final assistant message."""
+    if not isinstance(row, dict):
+        return ["not an object"]
+    problems = [f"unknown key {k!r}" for k in row if k not in {"messages", "tools", "parallel_tool_calls"}]
+    tools = row.get("tools", [])
+    if not isinstance(tools, list):
+        return [*problems, "tools is not an array"]
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(function, dict) and tool.get("type") == "function"):
+            problems.append(f"tool {tool!r:.60} is not a function tool")
+            continue
+        if not _FUNCTION_NAME.match(str(function.get("name"))):
+            problems.append(f"tool name {function.get('name')!r} is not allowed")
+        if not isinstance(function.get("parameters", {}), dict):
+            problems.append(f"tool {function.get('name')!r}: parameters is not an object")
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return [*problems, "no messages"]
+    unanswered: list[str] = []
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in _ROLE_KEYS:
+            problems.append(f"message {i}: role {role!r}")
+            continue
+        problems += [f"message {i}: unknown key {k!r}" for k in m if k not in _ROLE_KEYS[role]]
+        if unanswered and role != "tool":
+            problems.append(f"message {i}: tool calls {unanswered} are not answered")
+            unanswered = []
+        content = m.get("content")
+        if role == "tool":
+            if m.get("tool_call_id") not in unanswered:
+                problems.append(f"message {i}: answers no open tool call ({m.get('tool_call_id')!r})")
+            else:
+                unanswered.remove(m["tool_call_id"])
+            if not isinstance(content, str):
+                problems.append(f"message {i}: tool content is not a string")
+        elif role == "assistant":
+            calls = m.get("tool_calls", [])
+            if not (isinstance(content, str) and content) and not calls:
+                problems.append(f"message {i}: an assistant message with neither content nor tool calls")
+            if content is not None and not isinstance(content, str):
+                problems.append(f"message {i}: content is not a string")
+            if m.get("weight", 1) not in (0, 1):
+                problems.append(f"message {i}: weight is not 0 or 1")
+            for call in calls:
+                function = call.get("function") or {}
+                arguments = function.get("arguments")
+                if not (isinstance(call.get("id"), str) and call["id"] and call.get("type") == "function"):
+                    problems.append(f"message {i}: a tool call without an id or of another type")
+                if not _FUNCTION_NAME.match(str(function.get("name"))):
+                    problems.append(f"message {i}: calls a function named {function.get('name')!r}")
+                if not isinstance(arguments, str):
+                    problems.append(f"message {i}: arguments are not a string")
+                elif not isinstance(_json_or_none(arguments), dict):
+                    problems.append(f"message {i}: arguments are not a JSON object")
+                unanswered.append(call.get("id"))
+        elif not isinstance(content, str) or not content:
+            problems.append(f"message {i}: {role} content is not a non-empty string")
+    last = messages[-1]
+    if not (isinstance(last, dict) and last.get("role") == "assistant" and not last.get("tool_calls")):
+        problems.append("the last message is not an assistant's reply")
+    return problems
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
 
 
 # -- reference plays --------------------------------------------------------------------
