@@ -127,3 +127,33 @@ def test_shaped_values_convert_foreign_types_the_same_on_every_path():
     loop.append(loop)  # orjson must not take the cycle; the walk marks it and still converts the rest
     walked = json.loads(encode(Shaped(loop, default)))
     assert walked == [{"role": "user", "content": "x"}, {"__ref__": ""}]
+
+
+# What a redacted capture and a redacted export both left unmasked (hardening round 4).
+HOSTILE_PII = {
+    "card": 4111111111111111,  # a card number given as a JSON number
+    "phone": 15551234567,  # so is a phone number: JSON has no "+"
+    "ann@example.com": {"orders": 2},  # an e-mail used as a key
+    "bob@example.com": {"orders": 3},  # another: redacted keys must not collide
+    "order": 1234567,
+    "count": 12,
+    "not_a_card": 4111111111111112,  # fails the Luhn check
+}
+UNMASKED = ["4111111111111111", "15551234567", "ann@example.com", "bob@example.com"]
+
+
+def test_redaction_masks_numbers_and_keys_and_json_text_still_parses():
+    """Capture's ``redact=True`` masked strings only: numbers and keys went through, and a
+    JSON string argument (``"\\"x@y.com\\""``) came out as ``[EMAIL]``, no longer JSON."""
+    stored = encode({"arguments": HOSTILE_PII, "raw": json.dumps(HOSTILE_PII), "quoted": '"x@y.com"'},
+                    redact=make_redactor(True))  # fmt: skip
+    assert not any(value in stored for value in UNMASKED) and "x@y.com" not in stored
+    record = json.loads(stored)
+    expected = {
+        "card": "[CARD]", "phone": "[PHONE]", "[EMAIL]": {"orders": 2}, "[EMAIL]#2": {"orders": 3},
+        "order": 1234567, "count": 12, "not_a_card": 4111111111111112,
+    }  # fmt: skip
+    assert record["arguments"] == expected
+    assert json.loads(record["raw"]) == expected  # arguments as JSON text: masked inside, still JSON
+    assert json.loads(record["quoted"]) == "[EMAIL]"
+    assert encode(HOSTILE_PII) == json.dumps(HOSTILE_PII, separators=(",", ":"))  # without redaction: as is

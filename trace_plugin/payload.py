@@ -128,7 +128,13 @@ class _Walk:
         self.spend(len(value) * width + 2)
         if self.cut:
             value = value[: max(0, left) // width]
-        return self.redact(value) if self.redact else value
+        return redact_text(value, self.redact) if self.redact else value
+
+    def number(self, value: int | float, key: str) -> int | float | str:
+        self.spend(8)
+        if isinstance(value, float) and not math.isfinite(value):
+            return None  # type: ignore[return-value]  # JSON has no NaN or Infinity; orjson writes null
+        return redact_number(value, key, self.redact) if self.redact else value
 
     def convert(self, value: Any, at: str, depth: int) -> Any:
         if self.cut:
@@ -137,11 +143,11 @@ class _Walk:
             value = value.fn(value.arg)
         if isinstance(value, str):
             return self.text(value)
-        if value is None or isinstance(value, bool | int | float):
+        if value is None or isinstance(value, bool):
             self.spend(8)
-            if isinstance(value, float) and not math.isfinite(value):
-                return None  # JSON has no NaN or Infinity; orjson writes null
             return value
+        if isinstance(value, int | float):
+            return self.number(value, at.rpartition("/")[2])
         if isinstance(value, datetime | date):
             return self.text(value.isoformat())
         if isinstance(value, Enum):
@@ -173,6 +179,8 @@ class _Walk:
             for k, v in value.items():
                 key = str(k)
                 self.spend(len(key) + 4)
+                if self.redact:
+                    key = _free_key(self.redact(key), out)  # an e-mail used as a key
                 item = self.convert(v, f"{at}/{_escape(key)}", d)
                 if item is _CUT:
                     break
@@ -429,6 +437,60 @@ def redact_pii(text: str) -> str:
     text = _EMAIL.sub("[EMAIL]", text)
     text = _CARD.sub(lambda m: "[CARD]" if _luhn_ok(m.group()) else m.group(), text)
     return _PHONE.sub("[PHONE]", text)
+
+
+# A number under a key like these is a phone number whatever its digits (JSON has no "+").
+_PHONE_KEY = re.compile(r"phone|mobile|(?:^|_)tel(?:$|_)|fax|msisdn", re.IGNORECASE)
+
+
+def redact_number(number: int | float, key: str, redact: Redactor) -> int | float | str:
+    """A JSON number as the redactor sees its digits (a card number given as a number is a
+    card number), or ``[PHONE]`` under a key naming a phone; else the number itself."""
+    if isinstance(number, bool):
+        return number
+    digits = str(number)
+    if isinstance(number, int) and len(digits.lstrip("-")) >= 7 and _PHONE_KEY.search(key):
+        return "[PHONE]"
+    masked = redact(digits)
+    return number if masked == digits else masked
+
+
+def redact_text(text: str, redact: Redactor) -> str:
+    """``text`` redacted; where it is JSON (tool-call arguments) and holds something to mask,
+    the strings, keys and numbers inside it, so that it still parses."""
+    masked = redact(text)
+    if masked == text or text.lstrip()[:1] not in ("{", "[", '"'):
+        return masked
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return masked
+    return json.dumps(redact_value(parsed, redact), ensure_ascii=False)
+
+
+def redact_value(value: Any, redact: Redactor, key: str = "") -> Any:
+    """Parsed JSON with every string, key and number passed through ``redact``."""
+    if isinstance(value, str):
+        return redact_text(value, redact)
+    if isinstance(value, int | float):
+        return redact_number(value, key, redact)
+    if isinstance(value, list):
+        return [redact_value(v, redact, key) for v in value]
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out[_free_key(redact(str(k)), out)] = redact_value(v, redact, str(k))
+        return out
+    return value
+
+
+def _free_key(key: str, taken: Mapping[str, Any]) -> str:
+    """``key``, or with ``#2``, ``#3``... where two keys redact alike: none is lost."""
+    n, free = 1, key
+    while free in taken:
+        n += 1
+        free = f"{key}#{n}"
+    return free
 
 
 def make_redactor(redact: bool | Redactor | None) -> Redactor | None:
