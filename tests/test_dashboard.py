@@ -305,10 +305,13 @@ def test_capabilities_page(client: TestClient, corpus: Corpus) -> None:
     assert "Nothing mined yet" in client.get("/capabilities", params={"agent": "beta"}).text
 
 
+LOOPBACK = ("127.0.0.1", 50000)
+
+
 def test_read_only_and_admin_token(corpus: Corpus) -> None:
     app = create_dashboard(corpus.store, admin_token="s3cret")
     assert {m for r in app.routes if isinstance(r, APIRoute) for m in r.methods} == {"GET", "HEAD"}
-    client = TestClient(app)
+    client = TestClient(app, client=LOOPBACK)
     for method in ("POST", "PUT", "PATCH", "DELETE"):
         assert client.request(method, "/episodes").status_code == 403
         for wrong in ("Bearer nope", "Bearer s3cr\u00e9t".encode("latin-1"), "s3cret"):
@@ -320,6 +323,38 @@ def test_read_only_and_admin_token(corpus: Corpus) -> None:
     # Without a token configured, nothing but reads ever gets through.
     assert TestClient(create_dashboard(corpus.store)).post("/episodes").status_code == 403
     assert client.get("/episodes").status_code == 200
+
+
+def test_beyond_loopback_every_page_needs_the_token(corpus: Corpus) -> None:
+    """Exports are raw episodes, and the dashboard had no token: with one set, a client
+    beyond loopback gets nothing without it; a browser gives it once as ``?token=`` and
+    keeps it in an HTTP-only, same-site cookie."""
+    app = create_dashboard(corpus.store, admin_token="s3cret")
+    remote = TestClient(app, client=("203.0.113.9", 50000))
+    export = f"/export/trl/{corpus.ids['a5']}"
+    for path in ("/episodes", f"/episodes/{corpus.ids['a5']}", export, "/nowhere"):
+        refused = remote.get(path)
+        assert refused.status_code == 401 and "token" in refused.text, path
+        assert refused.headers["content-security-policy"]  # refusals carry the security headers
+    assert remote.get(export, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert remote.get(export, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    first = remote.get("/episodes", params={"token": "s3cret"})
+    assert first.status_code == 200
+    cookie = first.headers["set-cookie"].lower()
+    assert "httponly" in cookie and "samesite=strict" in cookie
+    assert remote.get(export).status_code == 200  # the cookie carries it from now on
+    assert TestClient(app, client=LOOPBACK).get(export).status_code == 200  # loopback as before
+
+
+def test_the_cli_refuses_to_serve_beyond_loopback_without_a_token(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from trace_plugin.cli import app as cli
+
+    db = f"sqlite:///{tmp_path / 'd.db'}"
+    for args, needle in ((["--host", "0.0.0.0"], "give --token"), (["--token", " "], "blank token")):
+        result = CliRunner().invoke(cli, ["dashboard", *args, "--db", db])
+        assert result.exit_code == 2 and needle in result.output, result.output
 
 
 def test_bad_filter_values_are_400_pages(client: TestClient) -> None:

@@ -78,8 +78,11 @@ def test_the_last_page_the_bound_allows_is_served(dashboard: tuple[TestClient, C
 
 def test_every_answer_carries_the_security_headers(sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     corpus = seed(sqlite_url)
-    client = TestClient(create_dashboard(corpus.store, admin_token="s3cret"), raise_server_exceptions=False)
+    app = create_dashboard(corpus.store, admin_token="s3cret")
+    client = TestClient(app, raise_server_exceptions=False, client=("127.0.0.1", 50000))
     assert_error_page(client.post("/episodes"), 403)  # the guard refuses before any route runs
+    remote = TestClient(app, raise_server_exceptions=False)  # "testclient": not loopback
+    assert_error_page(remote.get("/episodes"), 401)
     assert_error_page(client.request("OPTIONS", "/episodes"), 403)
     not_allowed = client.post("/episodes", headers={"Authorization": "Bearer s3cret"})
     assert_error_page(not_allowed, 405)
@@ -139,6 +142,7 @@ times = st.datetimes(timezones=st.none() | offsets.map(timezone)).map(lambda d: 
 values = st.one_of(
     st.sampled_from(EDGES),
     st.text(max_size=24),  # any code point but a surrogate, NUL and controls included
+    st.text(st.characters(categories=["Cs", "Cc"]), max_size=4),  # lone surrogates, CR, LF
     st.integers(1, 30).flatmap(lambda n: st.text("0123456789", min_size=n, max_size=n)),  # past 64 bits too
     times,
 )
@@ -159,8 +163,13 @@ VALID: dict[str, st.SearchStrategy[str]] = {
 KEYS = sorted(VALID)
 
 
+def _quoted(text: str) -> str:
+    """Percent-encoded UTF-8, a lone surrogate as the bytes it would have (invalid UTF-8)."""
+    return quote(text.encode("utf-8", "surrogatepass"), safe="")
+
+
 def _encode(pairs: dict[str, str]) -> list[str]:
-    return [f"{quote(k, safe='')}={quote(v, safe='')}" for k, v in pairs.items()]
+    return [f"{_quoted(k)}={_quoted(v)}" for k, v in pairs.items()]
 
 
 extras = st.one_of(
@@ -193,17 +202,55 @@ def queries(draw: st.DrawFn) -> str:
     # The fixture's store is only read, so sharing it between examples is what is wanted.
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(query=queries(), method=st.sampled_from(["GET", "HEAD"]), episode_id=st.text(max_size=16))
-@example(query="page=99999999999999999999999", method="GET", episode_id="")  # 500s before the fix
-@example(query="agent=%00", method="GET", episode_id="")
+@given(
+    query=queries(),
+    method=st.sampled_from(["GET", "HEAD", "POST"]),
+    episode_id=st.text(st.characters(exclude_categories=["Co"]), max_size=16),  # surrogates, CR, LF too
+    body=st.binary(max_size=16) | st.sampled_from([b"\xed\xa0\x80", b'{"x": "\\ud800"}\r\n']),
+)
+@example(query="page=99999999999999999999999", method="GET", episode_id="", body=b"")  # 500s before the fix
+@example(query="agent=%00", method="GET", episode_id="", body=b"")
+@example(query="agent=%ED%A0%80", method="GET", episode_id="\ud800\r\n", body=b"\xed\xa0\x80")
 def test_generated_query_strings_never_get_a_5xx(
-    dashboard: tuple[TestClient, Corpus], query: str, method: str, episode_id: str
+    dashboard: tuple[TestClient, Corpus], query: str, method: str, episode_id: str, body: bytes
 ) -> None:
-    """Each query string goes to every route."""
+    """Each query string (and body) goes to every route."""
     client, corpus = dashboard
     for route in ROUTES:
-        path = route.format(real=corpus.ids["a3"], any=quote(episode_id))
-        response = client.request(method, f"{path}?{query}", follow_redirects=False)
+        path = route.format(real=corpus.ids["a3"], any=_quoted(episode_id))
+        response = client.request(method, f"{path}?{query}", content=body, follow_redirects=False)
         event(f"{route} {response.status_code}")  # --hypothesis-show-statistics: what the examples reached
         assert response.status_code < 500, (method, path, query, response.text[:500])
         assert_secured(response)
+
+
+def test_exports_take_the_id_exactly_as_linked_and_refuse_a_blank_format(db_url: str) -> None:
+    """``/export/%20/ID`` answered 200 with ``ID.None.jsonl``, ``/export/trl/%20pad%20``
+    served the episode ``pad`` (the id was stripped), and ids holding CR or LF could not be
+    reached. A redacted export is offered beside each raw one."""
+    from test_dashboard import _episode
+
+    corpus = seed(db_url)
+    for key in ("pad", " pad ", "line\r\nbreak", "mail ann@example.com"):
+        records = _episode("x", "alpha", 5, "api", reward=1.0, note=f"I am ann@example.com ({key!r})")
+        records[0].id = key
+        for record in records[1:]:
+            record.episode_id = key
+        corpus.store.write(records)
+    client = TestClient(create_dashboard(corpus.store), raise_server_exceptions=False)
+    for blank in ("%20", "%09", "None"):
+        assert_error_page(client.get(f"/export/{blank}/pad"), 400)
+    for key in ("pad", " pad ", "line\r\nbreak"):
+        page = client.get(f"/episodes/{quote(key, safe='')}")
+        assert page.status_code == 200, key
+        linked = f'href="/export/trl/{quote(key, safe="")}"'
+        assert linked in page.text and f'href="/export/trl/{quote(key, safe="")}?redact=true"' in page.text
+        export = client.get(f"/export/trl/{quote(key, safe='')}")
+        assert export.status_code == 200 and repr(key) in export.json()["messages"][1]["content"], key
+        assert "\r" not in export.headers["content-disposition"]
+    assert_error_page(client.get("/export/trl/%20nobody%20"), 404)
+    redacted = client.get(f"/export/openai/{quote('mail ann@example.com', safe='')}", params={"redact": "true"})
+    assert redacted.status_code == 200 and "ann@example.com" not in redacted.text and "[EMAIL]" in redacted.text
+    assert "redacted" in redacted.headers["content-disposition"]
+    assert_error_page(client.get("/export/tokens/pad", params={"redact": "true"}), 400)
+    corpus.store.close()

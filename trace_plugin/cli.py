@@ -772,15 +772,29 @@ def dashboard(
     host: Annotated[
         str, typer.Option(help="Interface; keep loopback unless the network is trusted.")
     ] = "127.0.0.1",
+    token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TRACE_PLUGIN_DASHBOARD_TOKEN",
+            help="Needed by every client beyond loopback (?token= once, or 'Authorization: Bearer').",
+        ),
+    ] = None,
     db: DbOption = None,
 ) -> None:
     """A read-only web view of the episodes, success over time and mined capabilities."""
     import uvicorn
 
     from trace_plugin.dashboard import create_dashboard
+    from trace_plugin.gateway.state import is_loopback
 
-    application = create_dashboard(_store(db))
-    console.print(f"dashboard at http://{host}:{port}/ (read-only)")
+    if token is not None and not token.strip():
+        raise typer.BadParameter("a blank token", param_hint="--token")
+    if not is_loopback(host) and not token:
+        raise typer.BadParameter(
+            f"{host} serves beyond loopback, and episodes are raw data: give --token", param_hint="--host"
+        )
+    application = create_dashboard(_store(db), admin_token=token)
+    console.print(f"dashboard at http://{host}:{port}/ (read-only{', token required beyond loopback' if token else ''})")
     uvicorn.run(application, host=host, port=port, log_level="info")
 
 

@@ -7,9 +7,11 @@ captured is untrusted (prompts, tool arguments and results come from users and t
 templates autoescape and the Content-Security-Policy forbids scripts besides.
 
 Every route only reads, and answers GET and HEAD. A request with any other method is
-refused unless it carries ``Authorization: Bearer <admin_token>``, so actions added later
-(relabel an episode, promote a deployment) are admin-only from the start; without a token
-configured the dashboard refuses them all.
+refused unless it carries the token (``admin_token``), so actions added later (relabel an
+episode, promote a deployment) are admin-only from the start; without a token configured
+the dashboard refuses them all. With a token, clients beyond loopback get no page at all
+without it: exports are raw episodes. It travels as ``Authorization: Bearer <token>``, or
+once as ``?token=`` in a browser, which then keeps it in a same-site, HTTP-only cookie.
 
 Query values are checked before any query runs: a value the databases cannot hold (a NUL,
 a page past a 64-bit offset) is a 400 page, never a database error. Every answer, the
@@ -30,6 +32,7 @@ from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.base import RequestResponseEndpoint
 
@@ -38,10 +41,13 @@ from trace_plugin.dashboard import improver as imp
 from trace_plugin.dashboard import queries as q
 from trace_plugin.dashboard.conversation import conversation, pretty
 from trace_plugin.dashboard.plot import build_plot
+from trace_plugin.gateway.state import is_loopback
+from trace_plugin.payload import make_redactor
 from trace_plugin.records.outcome import outcome_of
 from trace_plugin.store import Store
 
 PAGE_SIZE = 50
+TOKEN_COOKIE = "trace_dashboard_token"
 # The last page whose offset both databases can take: OFFSET is a signed 64-bit integer.
 MAX_PAGE = (2**63 - 1) // PAGE_SIZE
 SAFE_METHODS = {"GET", "HEAD"}
@@ -113,8 +119,19 @@ def _choice(value: str | None, allowed: tuple[str, ...], name: str) -> Any:
     return value
 
 
+class _Id(PathConvertor):
+    """A path parameter that is the rest of the path, line breaks included (``path``'s
+    ``.*`` stops at one, so an episode id holding CR or LF could not be reached)."""
+
+    regex = "[\\s\\S]*"
+
+
+register_url_convertor("id", _Id())
+
+
 def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
-    """The dashboard over ``store``; ``admin_token`` unlocks non-GET requests (none exist yet)."""
+    """The dashboard over ``store``; ``admin_token`` unlocks non-GET requests (none exist
+    yet) and, once set, is needed by every client beyond loopback."""
     env = _environment()
     engine = store.engine.execution_options(sqlite_read=True)  # deferred BEGIN: never blocks writers
     app = FastAPI(
@@ -133,19 +150,35 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
         response.headers.update(SECURITY_HEADERS)
         return response
 
-    def is_admin(request: Request) -> bool:
-        supplied = request.headers.get("authorization", "").encode()  # bytes: any header compares
-        return admin_token is not None and hmac.compare_digest(supplied, f"Bearer {admin_token}".encode())
+    def supplied(request: Request) -> tuple[str, bool]:
+        """The token the request carries, and whether it came in the query (to keep)."""
+        bearer = request.headers.get("authorization", "")
+        if bearer.startswith("Bearer "):
+            return bearer.removeprefix("Bearer "), False
+        if "token" in request.query_params:
+            return request.query_params["token"], True
+        return request.cookies.get(TOKEN_COOKIE, ""), False
+
+    def holds_token(token: str) -> bool:
+        # bytes: any header compares
+        return admin_token is not None and hmac.compare_digest(token.encode(), admin_token.encode())
 
     @app.middleware("http")
     async def _guard(request: Request, call_next: RequestResponseEndpoint) -> Response:
-        """Refuses changes without the admin token; every answer leaving here, the refusal
-        included, gets the security headers."""
-        if request.method in SAFE_METHODS or is_admin(request):
-            return secured(await call_next(request))
-        return secured(
-            error_page(403, "the dashboard is read-only; changes need 'Authorization: Bearer <admin token>'")
-        )
+        """Refuses changes without the token, and with a token set, every page to a client
+        beyond loopback without it; every answer leaving here, the refusals included, gets
+        the security headers."""
+        token, in_query = supplied(request)
+        authorized = holds_token(token)
+        host = request.client.host if request.client else ""
+        if admin_token is not None and not authorized and not is_loopback(host):
+            return secured(error_page(401, "this dashboard needs its token (?token=, or 'Authorization: Bearer')"))
+        if request.method not in SAFE_METHODS and not authorized:
+            return secured(error_page(403, "the dashboard is read-only; changes need 'Authorization: Bearer <token>'"))
+        response = await call_next(request)
+        if in_query and authorized:
+            response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict")
+        return secured(response)
 
     @app.exception_handler(StarletteHTTPException)  # FastAPI's subclass and the router's 404/405
     async def _error(_: Request, exc: StarletteHTTPException) -> HTMLResponse:
@@ -222,7 +255,7 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
             next_link=link(page + 1) if page < pages else None,
         )
 
-    @app.api_route("/episodes/{episode_id:path}", methods=READ_METHODS)
+    @app.api_route("/episodes/{episode_id:id}", methods=READ_METHODS)
     def episode(episode_id: str) -> HTMLResponse:
         found = store.get_episode(episode_id)
         if found is None:
@@ -237,21 +270,29 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
             exports=get_args(export.Format),
         )
 
-    @app.api_route("/export/{format}/{episode_id:path}", methods=READ_METHODS)
-    def export_episode(format: str, episode_id: str) -> Response:
-        """One episode as ``trace-plugin export dataset --format FORMAT`` writes it, to download."""
-        chosen = _choice(format, get_args(export.Format), "format")
-        found = store.get_episode(_text(episode_id, "episode") or "")
+    @app.api_route("/export/{format}/{episode_id:id}", methods=READ_METHODS)
+    def export_episode(format: str, episode_id: str, redact: bool = False) -> Response:
+        """One episode as ``trace-plugin export dataset --format FORMAT [--redact]`` writes
+        it, to download. The id is taken exactly as the page links it (spaces, CR and LF
+        included): the store holds ids as given."""
+        formats = get_args(export.Format)
+        if format not in formats:
+            raise HTTPException(400, f"format must be one of {', '.join(formats)}")
+        if "\x00" in episode_id:
+            raise HTTPException(400, "episode: NUL characters are not allowed")
+        if redact and format == "tokens":
+            raise HTTPException(400, "token ids cannot be redacted: export messages (openai or trl) instead")
+        found = store.get_episode(episode_id)
         if found is None:
             raise HTTPException(404, f"no episode {episode_id}")
-        rows = export.episode_rows(found, chosen)
+        rows = export.episode_rows(found, format, make_redactor(redact))
         if isinstance(rows, str):
-            raise HTTPException(404, f"episode {episode_id} gives no {chosen} rows: {rows}")
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", episode_id)[:100]
+            raise HTTPException(404, f"episode {episode_id} gives no {format} rows: {rows}")
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", episode_id)[:100] + (".redacted" if redact else "")
         return Response(
             b"".join(map(export.jsonl, rows)),
             media_type="application/jsonl",
-            headers={"Content-Disposition": f'attachment; filename="{name}.{chosen}.jsonl"'},
+            headers={"Content-Disposition": f'attachment; filename="{name}.{format}.jsonl"'},
         )
 
     @app.api_route("/success", methods=READ_METHODS)

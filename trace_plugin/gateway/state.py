@@ -296,7 +296,7 @@ class GatewayState:
         ):
             raise GatewayError(401, f"{what} needs 'Authorization: Bearer <token>'", "authentication_error")
         host = request.client.host if request.client else ""
-        if not config.allow_remote_admin and not _is_loopback(host):
+        if not config.allow_remote_admin and not is_loopback(host):
             raise GatewayError(403, f"{what} is for loopback clients only", "permission_error")
 
 
@@ -313,7 +313,7 @@ def gateway_error_of(exc: BackendError) -> GatewayError:
     )
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
