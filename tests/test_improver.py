@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ from datetime import timedelta
 
 import pytest
 from chat import chat
+from rich.console import Console
 
 from trace_plugin.environments.base import RewardBreakdown
 from trace_plugin.environments.interpreter import SpecEnv
@@ -446,7 +448,8 @@ def test_an_expert_no_gradient_reached_is_not_evaluated(sqlite_url, monkeypatch)
 
     store = Store(sqlite_url)
     store.upgrade()
-    improver = Improver(store, ImproverConfig("a", "http://127.0.0.1:9", store.url))
+    said = Console(file=io.StringIO(), width=200)
+    improver = Improver(store, ImproverConfig("a", "http://127.0.0.1:9", store.url), console=said)
     monkeypatch.setattr(stages, "mine", lambda _: Mined(selected=["fmt"], covered=[], train=["fmt"]))
 
     async def synthesized(capability):
@@ -465,6 +468,8 @@ def test_an_expert_no_gradient_reached_is_not_evaluated(sqlite_url, monkeypatch)
 
     monkeypatch.setattr(improver, "_route", routed)
     assert improver.run_once() is None
+    # run_once returns None for a rejection too: it says which this was.
+    assert "no deployment: no gradient reached the adapters of ['fmt']" in said.file.getvalue()
     [cycle] = [j for j in store.jobs("a") if j.stage == "cycle"]
     assert cycle.outputs == {
         "deployed": None,

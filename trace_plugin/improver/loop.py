@@ -70,8 +70,11 @@ class Improver:
     # -- the loop --------------------------------------------------------------------------
 
     def run_once(self, *, wait: float = 0.0) -> Deployment | None:
-        """One cycle (:meth:`run_cycle`): the deployment it made, None when it deployed nothing new."""
+        """One cycle (:meth:`run_cycle`): the deployment it made, None when it deployed
+        nothing new, and then it says why (``run_cycle`` returns the reason as data)."""
         end = self.run_cycle(wait=wait)
+        if end.deployed is None:
+            self.console.log(f"[yellow]no deployment: {end.reason}[/]")
         return next((d for d in self.store.deployments(self.config.agent) if d.id == end.deployed), None)
 
     def run_cycle(self, *, wait: float = 0.0) -> CycleEnd:
