@@ -249,8 +249,12 @@ def test_exports_take_the_id_exactly_as_linked_and_refuse_a_blank_format(db_url:
         assert export.status_code == 200 and repr(key) in export.json()["messages"][1]["content"], key
         assert "\r" not in export.headers["content-disposition"]
     assert_error_page(client.get("/export/trl/%20nobody%20"), 404)
-    redacted = client.get(f"/export/openai/{quote('mail ann@example.com', safe='')}", params={"redact": "true"})
-    assert redacted.status_code == 200 and "ann@example.com" not in redacted.text and "[EMAIL]" in redacted.text
+    redacted = client.get(
+        f"/export/openai/{quote('mail ann@example.com', safe='')}", params={"redact": "true"}
+    )
+    assert (
+        redacted.status_code == 200 and "ann@example.com" not in redacted.text and "[EMAIL]" in redacted.text
+    )
     assert "redacted" in redacted.headers["content-disposition"]
     assert_error_page(client.get("/export/tokens/pad", params={"redact": "true"}), 400)
     corpus.store.close()

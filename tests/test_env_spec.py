@@ -482,12 +482,11 @@ def test_write_preconditions_come_from_the_targets_own_refusals(db_url, monkeypa
         # writes that went through after it, the traffic alone says so.
         assert refused.tools == ("find_user",), agent
         assert refused.error == "identify the user before changing an order"
-        spec = synthesize(
-            "write_completion", TOOLS, system_prompt=POLICY, observations=captured.observations
-        )
+        spec = synthesize("write_completion", TOOLS, system_prompt=POLICY, observations=captured.observations)
         # Writes the traffic says nothing about need what another write on orders needs.
         assert {t.name: t.requires for t in spec.tools if t.behaviour == "update"} == {
-            name: ["find_user"] for name in ("cancel_order", "modify_address", "return_items", "exchange_items")
+            name: ["find_user"]
+            for name in ("cancel_order", "modify_address", "return_items", "exchange_items")
         }
         env = SpecEnv(spec)
         for seed in range(6):
@@ -521,7 +520,11 @@ def test_a_spec_may_require_only_its_own_other_tools():
     cancel = spec.tool("cancel_order")
     for requires in (["cancel_order"], ["no_such_tool"]):
         broken = spec.model_copy(
-            update={"tools": [cancel.model_copy(update={"requires": requires}) if t is cancel else t for t in spec.tools]}
+            update={
+                "tools": [
+                    cancel.model_copy(update={"requires": requires}) if t is cancel else t for t in spec.tools
+                ]
+            }
         )
         with pytest.raises(SpecError, match="requires"):
             check_spec(broken)

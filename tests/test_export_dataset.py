@@ -246,6 +246,7 @@ def test_the_cli_writes_each_format_with_a_progress_bar_and_says_what_it_left_ou
 
 # -- OpenAI's format ------------------------------------------------------------------------
 
+
 def test_the_validator_refuses_what_openai_refuses():
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     assert openai_problems(good) == []
@@ -566,7 +567,14 @@ def test_redacted_exports_mask_numbers_and_keys_and_arguments_stay_json(db_url):
             {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "c1", "content": "paid"},
         ]
-        step = Step(episode.id, 0, "llm", "m", input={"messages": messages}, output={"role": "assistant", "content": "Done."})
+        step = Step(
+            episode.id,
+            0,
+            "llm",
+            "m",
+            input={"messages": messages},
+            output={"role": "assistant", "content": "Done."},
+        )
         store.write([episode, step, EpisodeEnd(episode.id, "completed", reward=1.0)])
     for format in ("openai", "trl"):
         rows = list(dataset(store, "pii", format=format, redact=True))

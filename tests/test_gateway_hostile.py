@@ -523,13 +523,20 @@ def test_lone_surrogates_from_a_client_are_stored_as_replacement_characters_on_b
     config = GatewayConfig(adapter_root=tmp_path / "adapters", agent="hostile", allow_remote_admin=True)
     tool = {
         "type": "function",
-        "function": {"name": "get_order", "description": "Find \ud800 an order \U0001F600", "parameters": {
-            "type": "object", "properties": {"order_id": {"type": "string"}}}},
+        "function": {
+            "name": "get_order",
+            "description": "Find \ud800 an order \U0001f600",
+            "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}},
+        },
     }
-    call = {"id": "c1", "type": "function", "function": {"name": "get_order", "arguments": '{"order_id": "\\ud800 #W1"}'}}
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_order", "arguments": '{"order_id": "\\ud800 #W1"}'},
+    }
     body = chat(
         messages=[
-            {"role": "user", "content": "Where is my order? \udc00 \U0001F600"},
+            {"role": "user", "content": "Where is my order? \udc00 \U0001f600"},
             {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "c1", "content": "pending \ud800"},
         ],
@@ -544,10 +551,10 @@ def test_lone_surrogates_from_a_client_are_stored_as_replacement_characters_on_b
     assert recorder.flush(10) and recorder.dropped == 0
     [step] = recorder.store.get_episode(episode_id).steps
     messages = step.input["messages"]
-    assert messages[0]["content"] == "Where is my order? \ufffd \U0001F600"
+    assert messages[0]["content"] == "Where is my order? \ufffd \U0001f600"
     assert messages[2]["content"] == "pending \ufffd"
     stored = recorder.store.tool_schemas("hostile")
-    assert stored[0]["function"]["description"] == "Find \ufffd an order \U0001F600"
+    assert stored[0]["function"]["description"] == "Find \ufffd an order \U0001f600"
     for format in ("trl", "openai"):
         path = tmp_path / f"{format}.jsonl"
         assert write_jsonl(dataset(recorder.store, "hostile", format=format), path) == 1

@@ -794,7 +794,9 @@ def dashboard(
             f"{host} serves beyond loopback, and episodes are raw data: give --token", param_hint="--host"
         )
     application = create_dashboard(_store(db), admin_token=token)
-    console.print(f"dashboard at http://{host}:{port}/ (read-only{', token required beyond loopback' if token else ''})")
+    console.print(
+        f"dashboard at http://{host}:{port}/ (read-only{', token required beyond loopback' if token else ''})"
+    )
     uvicorn.run(application, host=host, port=port, log_level="info")
 
 

@@ -363,7 +363,10 @@ def _redacted(found: Conversation, redact: Redactor) -> Conversation:
     JSON: to the strings, keys and numbers inside, so they still parse)."""
 
     def call(c: dict[str, Any]) -> dict[str, Any]:
-        return {**c, "function": {**c["function"], "arguments": redact_text(c["function"]["arguments"], redact)}}
+        return {
+            **c,
+            "function": {**c["function"], "arguments": redact_text(c["function"]["arguments"], redact)},
+        }
 
     messages = []
     for m in found.messages:

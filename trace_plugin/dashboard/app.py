@@ -172,9 +172,13 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
         authorized = holds_token(token)
         host = request.client.host if request.client else ""
         if admin_token is not None and not authorized and not is_loopback(host):
-            return secured(error_page(401, "this dashboard needs its token (?token=, or 'Authorization: Bearer')"))
+            return secured(
+                error_page(401, "this dashboard needs its token (?token=, or 'Authorization: Bearer')")
+            )
         if request.method not in SAFE_METHODS and not authorized:
-            return secured(error_page(403, "the dashboard is read-only; changes need 'Authorization: Bearer <token>'"))
+            return secured(
+                error_page(403, "the dashboard is read-only; changes need 'Authorization: Bearer <token>'")
+            )
         response = await call_next(request)
         if in_query and authorized:
             response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict")

@@ -241,13 +241,25 @@ class Interface:
         for name, binding in list(self.bindings.items()):
             # A write the traffic says nothing about needs what another write on its table
             # needs ("identify the user before changing anything").
-            precondition = shown.get(name) or next(
-                (shown[other.name] for other in self.bindings.values()
-                 if other.behaviour == "update" and other.table == binding.table and shown.get(other.name)
-                 and shown[other.name].tools),
-                None,
-            ) if binding.behaviour == "update" else None
-            requires = [t for t in precondition.tools if t in self.bindings and t != name] if precondition else []
+            precondition = (
+                shown.get(name)
+                or next(
+                    (
+                        shown[other.name]
+                        for other in self.bindings.values()
+                        if other.behaviour == "update"
+                        and other.table == binding.table
+                        and shown.get(other.name)
+                        and shown[other.name].tools
+                    ),
+                    None,
+                )
+                if binding.behaviour == "update"
+                else None
+            )
+            requires = (
+                [t for t in precondition.tools if t in self.bindings and t != name] if precondition else []
+            )
             if requires:
                 update = {"requires": requires, "requires_error": precondition.error}  # type: ignore[union-attr]
                 self.bindings[name] = binding.model_copy(update=update)

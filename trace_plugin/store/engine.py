@@ -40,7 +40,9 @@ class JsonText(str):
 
 # In JSON text, left to right: an escaped backslash, a surrogate pair's two escapes (an
 # emoji), or a lone surrogate's or NUL's escape; only the last two are replaced.
-_ESCAPES = re.compile(r"\\\\|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\u(?:[dD][89a-fA-F][0-9a-fA-F]{2}|0000)")
+_ESCAPES = re.compile(
+    r"\\\\|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\u(?:[dD][89a-fA-F][0-9a-fA-F]{2}|0000)"
+)
 
 
 def _storable(match: re.Match[str]) -> str:
