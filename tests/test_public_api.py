@@ -53,6 +53,9 @@ def test_the_embedded_gateway_runs_in_process_and_stops(tmp_path):
     config = GatewayConfig(adapter_root=tmp_path, agent="a", record=False)
     with serve_embedded(config=config, precision="float32", max_batch=2) as gateway:
         assert isinstance(gateway, RunningServer)
+        # The handle names what it serves: the model id requests may use, and its precision.
+        assert (gateway.model, gateway.precision) == ("SmolLM2-135M-Instruct", "float32")
+        assert chat(gateway.url, gateway.model, "Say hello.", max_tokens=2).status_code == 200
         r = chat(gateway.url, "default", "Say hello.", max_tokens=4)
         assert r.status_code == 200, r.text
         [choice] = r.json()["choices"]

@@ -27,12 +27,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass
 class RunningServer:
-    """A uvicorn server on a daemon thread; ``stop()`` shuts it down gracefully."""
+    """A uvicorn server on a daemon thread; ``stop()`` shuts it down gracefully. A gateway
+    that serves a model here (:func:`serve_embedded`) names it and its served precision."""
 
     server: uvicorn.Server
     thread: threading.Thread
     host: str
     port: int
+    model: str | None = None  # the id requests name it by ("default" routes to it too)
+    precision: str | None = None  # its weights' dtype, as "auto" resolved it: "bfloat16", "float32"
 
     @property
     def url(self) -> str:
@@ -88,4 +91,6 @@ def serve_embedded(
     from trace_plugin.gateway.embedded import EmbeddedBackend  # torch: only for what serves the model here
 
     backend = EmbeddedBackend(model, max_batch=max_batch, precision=precision)
-    return start_in_thread(create_app(backend, config=config, recorder=recorder), host, port)
+    running = start_in_thread(create_app(backend, config=config, recorder=recorder), host, port)
+    running.model, running.precision = backend.model_id, str(backend.dtype).removeprefix("torch.")
+    return running
