@@ -15,16 +15,20 @@ URL = "http://127.0.0.1:9"
 
 
 def test_a_config_takes_its_test_seeds_from_the_target_it_names(tmp_path):
-    # Fewer than the target has is said, not done silently.
-    with pytest.warns(
-        UserWarning, match=f"the first 32 of the {len(TEST_SEEDS)} test tasks of target 'retail'"
-    ):
-        assert list(ImproverConfig("a", URL, tmp_path, target="retail").target_seeds) == list(TEST_SEEDS)[:32]
+    """By default the verdict decided on the very tasks then reported (the live deployment's
+    score was the verdict's measurement). The target's test seeds are now split: the first
+    ``target_tasks`` decide, the next are reported. Fewer than the target has is said."""
+    with pytest.warns(UserWarning, match=f"decides on the first 32 of the {len(TEST_SEEDS)} test tasks"):
+        config = ImproverConfig("a", URL, tmp_path, target="retail")
+    assert list(config.target_seeds) == list(TEST_SEEDS)[:32]
+    assert list(config.reported_seeds) == list(TEST_SEEDS)[32:64]
     with pytest.warns(UserWarning, match="first 3 of"):
         few = ImproverConfig("a", URL, tmp_path, target="retail", target_tasks=3)
-    assert list(few.target_seeds) == list(TEST_SEEDS)[:3]
+    assert (list(few.target_seeds), list(few.reported_seeds)) == (list(TEST_SEEDS)[:3], list(TEST_SEEDS)[3:6])
     given = ImproverConfig("a", URL, tmp_path, target="retail", target_seeds=[7, 8])
-    assert list(given.target_seeds) == [7, 8]  # seeds given are kept
+    assert list(given.target_seeds) == [7, 8] and list(given.reported_seeds) == []  # seeds given are kept
+    with pytest.raises(ConfigError, match="name the verdict's tasks too"):
+        ImproverConfig("a", URL, tmp_path, target="retail", reported_seeds=[7, 8])
     assert ImproverConfig("a", URL, tmp_path).target_seeds == ()  # no target, no target evaluation
 
 
@@ -39,8 +43,9 @@ def test_an_evaluator_plays_the_tasks_of_the_target_the_config_names(sqlite_url,
 
     config = ImproverConfig("a", URL, tmp_path, target="retail", target_tasks=2)
     summary = asyncio.run(Improver(store, config, evaluator=evaluator).live_summary())
-    # Nothing is live: the live agent is the base model, played by that name.
-    assert played == [("base", list(TEST_SEEDS)[:2])] and summary.n == 0
+    # Nothing is live: the live agent is the base model, played by that name, on the
+    # reported tasks (not the verdict's).
+    assert played == [("base", list(TEST_SEEDS)[2:4])] and summary.n == 0
 
 
 def test_a_target_or_seeds_that_cannot_be_played_are_refused_before_any_cycle(sqlite_url, tmp_path):

@@ -33,9 +33,12 @@ class ImproverConfig:
     unless ``training`` sets them (``pinned``): then they are honoured.
 
     ``target`` names a :class:`~trace_plugin.environments.Target` (or, with ``target_seeds``
-    given, a synthesized environment): without ``target_seeds`` they are the first
-    ``target_tasks`` of its test seeds (:func:`target_seeds`), whether the improver plays
-    them or an ``evaluator`` it was given does.
+    given, a synthesized environment). ``target_seeds`` are the tasks the verdict decides
+    on, ``reported_seeds`` those :meth:`~trace_plugin.improver.Improver.live_summary`
+    reports (the verdict's where none are given): a score on the tasks that let a
+    deployment through flatters it. Given neither, the target's test seeds are split: the
+    first ``target_tasks`` decide, the next ``target_tasks`` are reported
+    (:func:`target_seeds`), whether the improver plays them or an ``evaluator`` it was given does.
 
     A canary trial ends within ``canary_deadline`` seconds of going out, so that one that
     cannot fill its window does not hold the agent: past it, a trial whose arms each have
@@ -48,9 +51,9 @@ class ImproverConfig:
     adapter_root: Path  # the gateway's adapter root: experts are written under it
     admin_token: str | None = None
     target: str | None = None  # a registered target environment, for held-out evaluation
-    target_seeds: Sequence[int] = ()  # its held-out tasks
-    target_tasks: int = 32  # without target_seeds: how many of the target's test seeds
-    # Target tasks a report measures apart from the gate's: no training task may be one.
+    target_seeds: Sequence[int] = ()  # its held-out tasks the verdict decides on
+    target_tasks: int = 32  # given neither: how many of the target's test seeds decide, and are reported
+    # Target tasks a report measures apart from the verdict's: no training task may be one.
     reported_seeds: Sequence[int] = ()
     # triggers
     min_new_episodes: int = 50  # labeled episodes since the last cycle
@@ -119,8 +122,10 @@ class ImproverConfig:
         else:
             self.pinned = frozenset(self.training)
             self.training = ExpertTrainingConfig.preset(self.preset, **dict(self.training))
-        if self.target is not None and not self.target_seeds:
-            self.target_seeds = target_seeds(self.target, self.target_tasks)
+        if self.target is not None and not self.target_seeds and not self.reported_seeds:
+            self.target_seeds, self.reported_seeds = target_seeds(self.target, self.target_tasks)
+        elif self.target is not None and not self.target_seeds:
+            raise ConfigError("target_seeds", "reported_seeds are given: name the verdict's tasks too")
 
     @property
     def expert_training(self) -> ExpertTrainingConfig:
@@ -128,19 +133,22 @@ class ImproverConfig:
         return cast(ExpertTrainingConfig, self.training)
 
 
-def target_seeds(target: str, tasks: int) -> list[int]:
-    """The held-out tasks the improver evaluates on when none are given: the first ``tasks``
-    test seeds of the target ``target`` (:func:`~trace_plugin.environments.catalog.load_target`),
+def target_seeds(target: str, tasks: int) -> tuple[list[int], list[int]]:
+    """The target's tasks when none are given: the verdict's, the first ``tasks`` test seeds
+    of the target ``target`` (:func:`~trace_plugin.environments.catalog.load_target`), and
+    the reported ones, the next ``tasks`` (half each where it has fewer than twice as many),
     with a warning when the target has more: a verdict on fewer tasks than a team wrote
     should not pass unseen."""
     try:
         seeds = list(load_target(target).test_seeds)
     except (UnknownEnvironment, TargetError) as exc:
         raise ConfigError("target", str(exc)) from exc
-    if len(seeds) > tasks:
+    if len(seeds) > 2 * tasks:
         warnings.warn(
-            f"the improver evaluates on the first {tasks} of the {len(seeds)} test tasks of target {target!r}"
-            " (ImproverConfig.target_tasks, or target_seeds to name them)",
+            f"the improver decides on the first {tasks} of the {len(seeds)} test tasks of target {target!r}"
+            f" and reports the next {tasks} (ImproverConfig.target_tasks, or target_seeds and"
+            " reported_seeds to name them)",
             stacklevel=3,
         )
-    return seeds[:tasks]
+    deciding = min(tasks, max(1, len(seeds) // 2))
+    return seeds[:deciding], seeds[deciding : deciding + tasks]

@@ -75,7 +75,7 @@ async def evaluate(
     if config.target_seeds:
         seeds = list(config.target_seeds)
         current, candidate = (
-            await improver.live_summary(),
+            await improver.live_summary(seeds),
             summary(await improver.evaluator(f"router:{cycle}", seeds)),
         )
         if (hard := top1_variant(router)) is not None:

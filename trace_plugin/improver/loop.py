@@ -280,10 +280,10 @@ class Improver:
         return await stages.restore(self)
 
     async def live_summary(self, seeds: Sequence[int] | None = None) -> Summary:
-        """The live deployment on the target's held-out tasks (``seeds``, else the gate's),
-        measured once per deployment and set of tasks."""
+        """The live deployment on the target's held-out tasks (``seeds``, else the reported
+        ones, else the verdict's), measured once per deployment and set of tasks."""
         live = self.live()
-        seeds = list(self.config.target_seeds if seeds is None else seeds)
+        seeds = list(seeds if seeds is not None else self.config.reported_seeds or self.config.target_seeds)
 
         async def measure() -> Summary:
             return evaluation.summary(await self.evaluator(await self.live_model(), seeds))
