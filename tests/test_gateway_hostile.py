@@ -11,6 +11,7 @@ import json
 import select
 import socket
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -566,3 +567,35 @@ def test_lone_surrogates_from_a_client_are_stored_as_replacement_characters_on_b
         assert export.status_code == 200 and "\ufffd #W1" in export.text
     recorder.close(10)
     recorder.store.close()
+
+
+def test_a_client_that_never_finishes_its_headers_gives_up_the_connection(app):
+    """uvicorn's keep-alive timeout restarts on every byte: a client sending its headers a
+    byte at a time held a file descriptor for as long as it liked. The headers now have a
+    deadline of their own; a request within it, and one kept alive after it, are served."""
+    with start_in_thread(app, header_timeout=0.6) as server:
+        slow = socket.create_connection(("127.0.0.1", server.port))
+        slow.settimeout(5)
+        started = time.monotonic()
+        closed_after = None
+        for byte in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"y" * 100:
+            try:
+                slow.sendall(bytes([byte]))
+                time.sleep(0.05)
+                if slow.recv(1, socket.MSG_DONTWAIT) == b"":
+                    closed_after = time.monotonic() - started
+                    break
+            except BlockingIOError:
+                continue
+            except OSError:  # reset: closed as well
+                closed_after = time.monotonic() - started
+                break
+        assert closed_after is not None and closed_after < 3, closed_after
+        slow.close()
+        fine = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+        for pause in (0.0, 0.3):  # kept alive within the deadline: a second request is served too
+            time.sleep(pause)
+            fine.request("GET", "/health")
+            answer = fine.getresponse()
+            assert answer.status == 200 and answer.read()
+        fine.close()

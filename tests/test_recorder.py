@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 
 import pytest
 from agents import build, model_for, user
@@ -46,6 +47,16 @@ def test_read_only_database_file(tmp_path, caplog):
         assert rec.flush(timeout=0.5) is False
     assert any("readonly" in r.getMessage() for r in caplog.records)
     assert Store(f"sqlite:///{path}").count("episodes") == 0
+    # Closing within its timeout (it took timeout + 5 s), it counts what it could not store
+    # (they were lost uncounted).
+    pending = rec.written + rec.dropped
+    started = time.monotonic()
+    assert rec.close(0.5) is False
+    assert time.monotonic() - started < 0.9
+    assert rec.written == 0 and rec.dropped - pending >= 2  # the episode and its model step, at least
+    counted = rec.dropped
+    time.sleep(0.2)  # the writer, past its deadline, neither writes nor counts them again
+    assert rec.dropped == counted and Store(f"sqlite:///{path}").count("episodes") == 0
 
 
 def test_buffered_records_are_written_when_the_database_comes_back(pg_url):

@@ -217,6 +217,7 @@ def serve(
 
     from trace_plugin.gateway.app import GatewayConfig, GatewayConfigError, create_app
     from trace_plugin.gateway.routing import KeywordRouter
+    from trace_plugin.gateway.server import header_deadline_protocol
     from trace_plugin.recorder import configure
 
     if _engine(engine) == "vllm" and vllm_url:
@@ -254,7 +255,7 @@ def serve(
     application = create_app(backend, config=config, router=KeywordRouter(rules), recorder=configure(db))
     console.print(f"serving [bold]{backend.model_id}[/] at http://{host}:{port}/v1")
     try:
-        uvicorn.run(application, host=host, port=port, log_level="info")
+        uvicorn.run(application, host=host, port=port, log_level="info", http=header_deadline_protocol())
     finally:
         if engine_server is not None:
             engine_server.stop()

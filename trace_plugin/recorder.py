@@ -225,6 +225,11 @@ class Recorder:
         self._thread: threading.Thread | None = None
         self._schema_ready = False
         self._outage: str | None = None
+        # Closing: the writer stops retrying an outage. Past close's deadline what it still
+        # held is counted as dropped (it would die with the process) and it writes no more.
+        self._closing = threading.Event()
+        self._abandoned = False
+        self._held = 0  # records the writer is storing now
         _live.add(self)
         install_term_handler()
 
@@ -267,12 +272,24 @@ class Recorder:
         return marker
 
     def close(self, timeout: float | None = 30.0) -> bool:
-        """Flush, then stop the writer thread. Returns whether everything was stored."""
+        """Flush, then stop the writer thread, all within ``timeout``. Returns whether
+        everything was stored; what was not (the database down or read-only) is counted in
+        ``dropped``."""
+        deadline = None if timeout is None else _clock() + timeout
         flushed = self.flush(timeout)
-        if self._thread is not None and self._thread.is_alive():
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._closing.set()
             self._queue.append(_STOP)
             self._wake.set()
-            self._thread.join(timeout=5)
+            thread.join(None if deadline is None else max(0.0, deadline - _clock()))
+            if thread.is_alive():
+                with self._lock:
+                    self._abandoned = True
+                    lost = self._held + sum(1 for item in self._queue if _is_record(item))
+                    self.dropped += lost
+                if lost:
+                    log.warning("trace-plugin: closed with %d records not stored (counted in .dropped)", lost)
         self._thread = None
         return flushed
 
@@ -282,6 +299,8 @@ class Recorder:
         with self._lock:
             if self._thread is not None:
                 return
+            self._closing.clear()
+            self._abandoned = False
             thread = threading.Thread(target=self._run, name="trace-plugin-writer", daemon=True)
             thread.start()
             self._thread = thread
@@ -297,6 +316,8 @@ class Recorder:
     def _count_drop(self, n: int, *, queue_full: bool = False) -> None:
         """Count dropped records; the queue filling up is the one cause not logged where it happens."""
         with self._lock:
+            if self._abandoned:
+                return  # close counted them already
             first = self.dropped == 0
             self.dropped += n
         if queue_full and first and self._outage is None:
@@ -358,8 +379,16 @@ class Recorder:
         return records
 
     def _write_until_stored(self, records: list[Record]) -> None:
-        """Write a batch, retrying through outages; isolate records the database rejects."""
-        while True:
+        """Write a batch, retrying through outages until the recorder closes; isolate
+        records the database rejects."""
+        self._held = len(records)
+        try:
+            self._write_or_drop(records)
+        finally:
+            self._held = 0
+
+    def _write_or_drop(self, records: list[Record]) -> None:
+        while not self._abandoned:
             try:
                 if not self._schema_ready:
                     self.store.upgrade()
@@ -372,7 +401,9 @@ class Recorder:
                     self._write_one_by_one(records)
                 else:
                     self._note_outage(exc)
-                    time.sleep(self.retry_interval)
+                    if self._closing.wait(self.retry_interval):
+                        self._count_drop(len(records))  # closing: no more retries
+                        return
                     continue
             except Exception:
                 log.exception("trace-plugin: unexpected error writing %d records", len(records))
@@ -403,6 +434,11 @@ class Recorder:
                 self._outage,
                 self.max_queue,
             )
+
+
+def _is_record(item: Any) -> bool:
+    """Whether a queue item is a record (not a flush marker or the stop)."""
+    return item is not _STOP and not isinstance(item, _Flush)
 
 
 def _is_outage(exc: DBAPIError) -> bool:
