@@ -228,3 +228,57 @@ async def test_a_mixture_past_the_servers_lora_rank_is_a_clear_error_before_anyt
     ):
         await registry.acquire_mixture(Mixture.of({"a": 0.4, "b": 0.3, "c": 0.3}))
     assert len(list((tmp_path / MIXTURES_DIR).iterdir())) == 1  # nothing composed for it
+
+
+async def test_a_composed_mixture_is_checked_before_the_backend_loads_it(tmp_path):
+    """Mixtures are composed from the parts' files on disk: files changed under the server
+    (here: NaN weights) were composed and loaded unchecked. A composition is checked as a
+    loaded adapter is, and nothing of it reaches the backend."""
+    import shutil
+
+    from test_composition import Recording
+
+    from trace_plugin.gateway.adapters import AdapterError, AdapterRegistry
+    from trace_plugin.records.mixture import Mixture
+
+    for name in ("a", "b"):
+        _lora(tmp_path / name, 2, {"m.q": PAIR})
+    backend = Recording()
+    registry = AdapterRegistry(backend, tmp_path)
+    for name in ("a", "b"):
+        await registry.load(f"{name}@1", name)
+    shutil.rmtree(tmp_path / "b")  # b@1's files, changed under the server
+    _lora(tmp_path / "b", 2, {"m.q": (PAIR[0], np.full((4, 2), np.nan, np.float32))})
+    with pytest.raises(AdapterError, match="NaN or Inf") as refused:
+        await registry.acquire_mixture(Mixture.of({"a": 0.5, "b": 0.5}))
+    assert refused.value.status == 422
+    assert backend.loaded == ["a@1", "b@1"] and not list((tmp_path / MIXTURES_DIR).iterdir())
+
+
+def test_a_vllm_backend_knows_its_models_modules_and_broken_adapters_never_reach_vllm(tmp_path):
+    """The module check ran only where the model was in this process (embedded): with vLLM,
+    weights for layer 999 loaded and did nothing. The module names now come from the
+    model's safetensors headers, and such an adapter is refused before any request to
+    vLLM (none could be answered here: nothing listens)."""
+    import asyncio
+
+    from safetensors.numpy import load_file, save_file
+
+    from trace_plugin.gateway.adapters import AdapterError, AdapterRegistry
+    from trace_plugin.gateway.vllm import VLLMBackend
+    from trace_plugin.model_files import module_names, resolve_model
+    from training.lora import random_adapter
+
+    backend = VLLMBackend("http://127.0.0.1:9", served_model="SmolLM2-135M-Instruct")
+    assert (
+        backend.lora_modules == module_names() and "model.layers.0.self_attn.q_proj" in backend.lora_modules
+    )
+    adapter = random_adapter(resolve_model(None), tmp_path / "far" / "1", seed=1, rank=2)
+    weights = load_file(str(adapter / "adapter_model.safetensors"))
+    name = next(n for n in weights if "layers.0." in n)
+    weights[name.replace("layers.0.", "layers.999.")] = weights.pop(name)
+    save_file(weights, str(adapter / "adapter_model.safetensors"))
+    registry = AdapterRegistry(backend, tmp_path)
+    with pytest.raises(AdapterError, match="modules the base model lacks") as refused:
+        asyncio.run(registry.load("far@1", "far/1"))
+    assert refused.value.status == 422

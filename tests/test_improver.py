@@ -442,6 +442,39 @@ def test_stage_outputs_survive_the_job_row():
     assert Routing(StaticSpec()).to_dict() == {"router": {"kind": "static", "adapter": None}}
 
 
+def test_an_adapter_with_nan_weights_never_reaches_the_verdict(sqlite_url, tmp_path, monkeypatch):
+    """A diverged run's adapter (NaN weights) went on to be routed and judged; the gateway
+    would refuse to load it. The improver runs the gateway's check first, and says why."""
+    import numpy as np
+    from test_composition import _lora
+
+    from trace_plugin.improver import Mined, Screened, Synthesized, Trained, stages
+
+    store = Store(sqlite_url)
+    store.upgrade()
+    improver = Improver(store, ImproverConfig("a", "http://127.0.0.1:9", store.url))
+    monkeypatch.setattr(stages, "mine", lambda _: Mined(selected=["fmt"], covered=[], train=["fmt"]))
+
+    async def synthesized(capability):
+        return Synthesized(env=f"{capability}-env", version=1, status="validated")
+
+    async def screened(env):
+        return Screened("base", 0.0, 0.0, True)
+
+    adapter = tmp_path / "fmt" / "e1"
+    _lora(adapter, 2, {"m.q": (np.ones((2, 3), np.float32), np.full((4, 2), np.nan, np.float32))})
+    monkeypatch.setattr(improver, "_synthesize", synthesized)
+    monkeypatch.setattr(improver, "_screen", screened)
+    monkeypatch.setattr(stages, "train", lambda *_: Trained("e1", str(adapter), [0.5], [0.5]))
+
+    async def routed(experts):
+        raise AssertionError("an adapter that cannot serve is not routed")
+
+    monkeypatch.setattr(improver, "_route", routed)
+    end = improver.run_cycle()
+    assert end.deployed is None and "NaN or Inf" in end.reason and "NaN or Inf" in end.passed_over["fmt"]
+
+
 def test_an_expert_no_gradient_reached_is_not_evaluated(sqlite_url, monkeypatch):
     """A no-op adapter is the base model: the cycle skips it, and ends when nothing is left."""
     from trace_plugin.improver import Mined, Screened, Synthesized, Trained, stages

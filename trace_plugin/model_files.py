@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE
 from trace_plugin.errors import TracePluginError
@@ -57,6 +57,30 @@ def resolve_model(model: str | Path | None = None) -> Path:
             f"(models are never downloaded; pass a local directory, a .gguf file or {DEFAULT_MODEL!r})"
         )
     return path
+
+
+def safetensors_header(f: BinaryIO) -> tuple[int, dict[str, Any]]:
+    """A safetensors file's header, read from its start, and the header's length in bytes."""
+    size = int.from_bytes(f.read(8), "little")
+    if size > 100_000_000:
+        raise ValueError(f"a {size}-byte header is not a safetensors header")
+    header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+        raise ValueError("a safetensors header is a JSON object")
+    return size, header
+
+
+def module_names(model: str | Path | None = None) -> frozenset[str]:
+    """The model's module names that hold weights, read from its safetensors headers
+    (no torch): what a LoRA adapter may adapt, for a server whose model is not in this
+    process (vLLM)."""
+    model_dir = resolve_model(model)
+    names: set[str] = set()
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            _, header = safetensors_header(f)
+        names |= {name.rsplit(".", 1)[0] for name in header if name != "__metadata__"}
+    return frozenset(names)
 
 
 def num_layers(model: str | Path | None = None) -> int:

@@ -34,10 +34,11 @@ import shutil
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from trace_plugin.errors import TracePluginError
 from trace_plugin.gateway.backend import Backend, BackendError, SamplingParams
+from trace_plugin.model_files import safetensors_header
 from trace_plugin.records.mixture import Mixture
 
 WEIGHTS = "adapter_model.safetensors"
@@ -125,17 +126,6 @@ def _check_complete(weights: Path, path: str | Path) -> None:
         raise AdapterError(
             f"{path}/{WEIGHTS} is incomplete ({have} of {want} bytes): still being written, or cut off"
         )
-
-
-def safetensors_header(f: BinaryIO) -> tuple[int, dict[str, Any]]:
-    """A safetensors file's header, read from its start, and the header's length in bytes."""
-    size = int.from_bytes(f.read(8), "little")
-    if size > 100_000_000:
-        raise ValueError(f"a {size}-byte header is not a safetensors header")
-    header = json.loads(f.read(size))
-    if not isinstance(header, dict):
-        raise ValueError("a safetensors header is a JSON object")
-    return size, header
 
 
 def adapter_digest(path: Path) -> str:
@@ -265,7 +255,7 @@ class AdapterRegistry:
                     self.release(full)
 
     async def _compose(self, served: str, mixture: Mixture) -> _Version:
-        from trace_plugin.gateway.composition import compose_adapter
+        from trace_plugin.gateway.composition import check_weights, compose_adapter
 
         parts = [(self._versions[name].path, weight) for name, weight in mixture.parts()]
         rank = sum(_rank(path) for path, _ in parts)  # the composition's: its parts' ranks side by side
@@ -277,7 +267,8 @@ class AdapterRegistry:
             )
         # Composed afresh on every load: a name@version unloaded and loaded again may be other files.
         path = await asyncio.to_thread(compose_adapter, parts, self.root / MIXTURES_DIR / served)
-        try:
+        try:  # weighted sums of finite weights can overflow: checked as a loaded adapter is
+            await asyncio.to_thread(check_weights, path, getattr(self.backend, "lora_modules", None))
             version = await self._load_verified(served, path)
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)  # never loaded: nothing else reads it

@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from trace_plugin.gateway.adapters import WEIGHTS, AdapterError, safetensors_header
+from trace_plugin.gateway.adapters import WEIGHTS, AdapterError
+from trace_plugin.model_files import safetensors_header
 
 CONFIG = "adapter_config.json"
 _A, _B = ".lora_A.weight", ".lora_B.weight"

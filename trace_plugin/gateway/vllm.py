@@ -35,7 +35,7 @@ from trace_plugin.gateway.backend import (
     Finished,
     SamplingParams,
 )
-from trace_plugin.model_files import prepare_tokenizer, resolve_model
+from trace_plugin.model_files import module_names, prepare_tokenizer, resolve_model
 
 
 class VLLMBackend:
@@ -62,6 +62,8 @@ class VLLMBackend:
             AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
         )
         self.max_lora_rank = max_lora_rank
+        # What an adapter's LoRA weights may adapt, checked before vLLM sees its files.
+        self.lora_modules = module_names(self.model_dir)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout)
         self.model_id = served_model or self._base_model_id(headers)

@@ -155,11 +155,19 @@ class Improver:
                 cycle, "train", capability, lambda c=capability, e=env: stages.train(self, cycle, c, e)
             )
         live_scores = {capability: s.success for capability, s in screened.items()}
+        # An adapter that cannot serve (NaN or Inf weights: a diverged run) never reaches the
+        # verdict; the gateway would refuse it anyway.
+        for capability, t in trained.items():
+            if not t.noop and (why := stages.unservable(t)) is not None:
+                untrained[capability] = why
+                self.console.log(f"[red]{capability}: {why}; not routed[/]")
         # A no-op expert is the base model again: evaluating it would change nothing.
-        experts = {capability: t.expert for capability, t in trained.items() if not t.noop}
+        experts = {c: t.expert for c, t in trained.items() if not t.noop and c not in untrained}
         if not experts:
             reason = (
-                f"no gradient reached the adapters of {list(trained)}"
+                f"no usable adapter among {list(trained)}: {untrained}"
+                if any(c in untrained for c in trained)
+                else f"no gradient reached the adapters of {list(trained)}"
                 if trained
                 else f"no environment to train in: {untrained}"
                 if untrained

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trace_plugin.chat_template import gate_input
@@ -16,7 +17,8 @@ from trace_plugin.environments.base import task_keys
 from trace_plugin.environments.catalog import chat_player, env_factory, prepare_environment
 from trace_plugin.environments.interpreter import SpecEnv, reference_play, turn_budget
 from trace_plugin.environments.validation import Band
-from trace_plugin.gateway.adapters import split_name
+from trace_plugin.gateway.adapters import AdapterError, split_name
+from trace_plugin.gateway.composition import check_weights
 from trace_plugin.improver.config import (
     CALIBRATION_SEEDS_START,
     CORPUS_SEEDS,
@@ -213,6 +215,16 @@ def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> 
         result.level_reached,
         result.informative_group_frac,
     )
+
+
+def unservable(trained: Trained) -> str | None:
+    """Why a trained adapter cannot serve (NaN or Inf weights), or None: the gateway's
+    check, run before the adapter is routed or reaches a verdict."""
+    try:
+        check_weights(Path(trained.adapter))
+    except AdapterError as exc:
+        return str(exc)
+    return None
 
 
 def evaluated_task_keys(config: ImproverConfig, spec: EnvSpec, store: Store) -> set[str]:
