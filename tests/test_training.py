@@ -287,6 +287,19 @@ def test_a_mastered_level_is_played_again_a_level_up_within_the_step(tokenizer):
         # Offered one group; spent it, its replays a level up, and (flat) its resample.
         assert stats["rollouts/offered"] == 2 and stats["rollouts/spent"] == 2 * (1 + climbed + flat)
         assert ("Level two." in policy.seen[-1]) == (level == 2)
+    # Plain rollouts that all succeed master a level, whatever hinted ones beside them did
+    # (the headline's first expert: un-hinted 1.00, hinted worse, no climb).
+    confused = scripted(tokenizer, lambda text: "No." if "Hint:" in text else echo_policy(text))
+    hinted = ExpertTrainingConfig(num_generations=2, groups_per_step=1, rollout_budget=8, hint_fraction=0.5)
+    rollouts = RolloutFunction(
+        hinted, player, [1, 2, 3], "Echo it.", lambda t: nullcontext(confused), levels=ladder
+    )
+    out = rollouts(
+        [json.dumps({"seed": 2})] * 2, SimpleNamespace(state=SimpleNamespace(global_step=0, log_history=[]))
+    )
+    stats = {}
+    rollouts.env_reward([""] * 2, out["env_reward"], log_metric=stats.__setitem__)
+    assert stats["curriculum/level"] == 2 and stats["curriculum/climbed_groups"] == 2
 
 
 def test_resampling_stays_within_the_spend_limit(tokenizer):

@@ -270,7 +270,10 @@ def _flat(group: list[Rollout]) -> bool:
 
 
 def _all_succeeded(group: list[Rollout]) -> bool:
-    return all(reward_succeeds(r.reward) for r in group)
+    """Whether the policy, asked plainly, solved the task every time: hinted rollouts that
+    fail beside plain ones that all succeed make a group informative, not the level hard."""
+    plain = [r for r in group if not r.hinted and not r.demonstration]
+    return all(reward_succeeds(r.reward) for r in plain or group)
 
 
 def _informative_unhinted(group: list[Rollout]) -> bool:
