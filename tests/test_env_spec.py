@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import get_args
+from typing import Any, get_args
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -528,3 +528,61 @@ def test_a_spec_may_require_only_its_own_other_tools():
         )
         with pytest.raises(SpecError, match="requires"):
             check_spec(broken)
+
+
+def test_preconditions_are_learned_on_a_target_shape_that_is_not_retail():
+    """Nothing in the rule is retail's: a clinic whose bookings change only once the member
+    was verified, in its own words, and a stateless function-calling target, which writes
+    nothing and so needs nothing."""
+    from trace_plugin.mining.detectors import Call
+
+    def tool(name: str, *required: str, optional: tuple[str, ...] = ()) -> dict[str, Any]:
+        properties = {p: {"type": "string"} for p in (*required, *optional)}
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": properties, "required": list(required)}}}  # fmt: skip
+
+    clinic = [
+        tool("find_member", optional=("phone", "last_name")),
+        tool("get_booking", "booking_id"),
+        tool("cancel_booking", "booking_id", "note"),
+        tool("change_booking", "booking_id", "slot"),
+    ]
+    policy = "You book visits.\nVerify the member with find_member before you change a booking.\nBe brief."
+    refused = '{"error": "member not verified: verify before changing a booking"}'
+    traffic = [
+        Trajectory(
+            f"cancel B-{i}",
+            [
+                Call("get_booking", {"booking_id": f"B-{i}"}, '{"booking_id": "B-1", "status": "booked"}'),
+                Call("cancel_booking", {"booking_id": f"B-{i}", "note": "sick"}, refused, error=True),
+            ],
+            tools_offered={t["function"]["name"] for t in clinic},  # as the episode recorded them
+        )
+        for i in range(3)
+    ]
+    [precondition] = observed_preconditions(traffic, policy).values()
+    assert precondition.tools == ("find_member",) and precondition.error.startswith("member not verified")
+    spec = synthesize(
+        "write_completion",
+        clinic,
+        system_prompt=policy,
+        observations=Observations(preconditions={"cancel_booking": precondition}),
+    )
+    assert {t.name: t.requires for t in spec.tools if t.behaviour == "update"} == {
+        "cancel_booking": ["find_member"],
+        "change_booking": ["find_member"],  # another write on bookings, unseen in traffic
+    }
+    env = SpecEnv(spec)
+    task = env.reset(0)
+    [identify, *_, write] = task.metadata["reference"]
+    assert (
+        identify["name"] == "find_member" and f"My phone is {identify['arguments']['phone']}." in task.prompt
+    )
+    assert json.loads(env.step(ToolCall(write["name"], write["arguments"])))["error"].startswith(
+        "member not verified"
+    )
+    # A function-calling target: stateless tools, nothing written, nothing required.
+    calls = [
+        Trajectory("convert 3 km", [Call("convert_units", {"value": 3, "unit": "km"}, '{"result": 1.86}')])
+    ]
+    assert observed_preconditions(calls * 3, "Use the tools.") == {}
