@@ -1,6 +1,6 @@
 """LangGraph / LangChain capture through the callback system (no monkey-patching).
 
-A :class:`TraceCallbackHandler` turns LangChain run events into tracer calls: each root
+A ``TraceCallbackHandler`` turns LangChain run events into tracer calls: each root
 run becomes an episode, LLM and tool runs become steps paired by ``run_id``, and graph
 nodes become ``node`` steps, except a node whose update is nothing but what its own model
 and tool steps returned (``create_agent``'s model and tools nodes): those steps are its

@@ -63,7 +63,7 @@ class TraceLogger(CustomLogger):
             return done
 
     async def aflush(self, timeout: float = 10.0) -> bool:
-        """:meth:`flush` for async code: lets litellm's logging tasks on this loop run."""
+        """``flush`` for async code: lets litellm's logging tasks on this loop run."""
         deadline = time.monotonic() + timeout
         while self._pending or self._held:
             if time.monotonic() > deadline:

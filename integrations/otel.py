@@ -9,8 +9,8 @@ nodes), nested by ``parent_run_id`` and stamped with the recorded start and end 
 Message content, tool arguments and tool results are left out unless asked for, as the
 conventions advise: they often hold personal data.
 
-:func:`episode_spans` is the pure translation; :func:`emit` replays its output on any
-tracer; :func:`export_episodes` reads the store and sends the spans.
+``episode_spans`` is the pure translation; ``emit`` replays its output on any
+tracer; ``export_episodes`` reads the store and sends the spans.
 """
 
 from __future__ import annotations

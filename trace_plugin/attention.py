@@ -1,13 +1,13 @@
 """Attention for decode steps on a CPU, registered with transformers' attention interface.
 
-:func:`~trace_plugin.model_files.load_model` picks it for bf16 weights without a GPU.
+``load_model`` picks it for bf16 weights without a GPU.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# The name under which transformers finds :func:`decode_attention` (``attn_implementation``).
+# The name under which transformers finds ``decode_attention`` (``attn_implementation``).
 DECODE_ATTENTION = "trace_decode"
 
 
@@ -49,7 +49,7 @@ def decode_attention(
 
 
 def register_decode_attention() -> str:
-    """Make :func:`decode_attention` available as ``attn_implementation``; returns its name.
+    """Make ``decode_attention`` available as ``attn_implementation``; returns its name.
 
     Its mask is SDPA's (a boolean mask, or none where every position is visible).
     """

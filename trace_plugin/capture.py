@@ -11,7 +11,7 @@ Three forms, all with the same options::
         graph.invoke(...)
 
 The graph needs no other change. This module knows no framework: what a capture does to a
-graph comes from a :class:`Framework` that an integration registers when it is imported.
+graph comes from a ``Framework`` that an integration registers when it is imported.
 The LangGraph one (``integrations.langgraph``) is imported only when a capture is first
 applied, so ``import trace_plugin`` stays free of LangChain.
 """
@@ -45,7 +45,7 @@ class Framework(Protocol):
         ...
 
     def activate(self, handler: Any) -> Any:
-        """Make ``handler`` see every run in this context; returns what :meth:`deactivate` takes."""
+        """Make ``handler`` see every run in this context; returns what ``deactivate`` takes."""
         ...
 
     def deactivate(self, token: Any) -> None: ...

@@ -10,8 +10,8 @@ reopens nothing, it just adds steps and a newer end.
 
 A conversation whose last reply asked for tools may never be continued (a terminating
 tool, the agent's turn cap, a client that gave up), so nothing would end it: it is ended
-``completed`` once idle past ``idle_timeout`` (:meth:`ConversationEpisodes.sweep`) or
-pushed out of the tracked set, and ``interrupted`` by :meth:`ConversationEpisodes.close`
+``completed`` once idle past ``idle_timeout`` (``ConversationEpisodes.sweep``) or
+pushed out of the tracked set, and ``interrupted`` by ``ConversationEpisodes.close``
 at shutdown. A call can also end its episode itself (``ModelCall.end``): a client that
 hung up mid-reply ends it ``cancelled``. None is left ``running``, where mining would
 never see it.

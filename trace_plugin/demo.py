@@ -600,7 +600,7 @@ CYCLE_COLUMNS = ("traffic success", "mined", "trained", "composed", "outcome", "
 
 
 def cycle_cells(cycle: dict[str, Any]) -> list[str]:
-    """A cycle's row (a :class:`CycleReport` as a dict): its traffic's success, what it
+    """A cycle's row (a ``CycleReport`` as a dict): its traffic's success, what it
     mined, trained and composed, its outcome, and the live agent's test success after it."""
     adapters = ", ".join(cycle["adapters"].values())
     return [

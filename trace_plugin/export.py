@@ -16,8 +16,8 @@ the tools that call offered. Three row shapes, since OpenAI and TRL disagree:
 - ``tokens``: one row per LLM step the gateway served, the ids it generated from and
   sampled, with the episode's reward, adapter and router version, for off-policy RL.
 
-Rows are made as they are read, a page of episodes at a time (:meth:`Store.iter_episodes`),
-so an export of any size holds one page in memory. Reference plays (:func:`reference_plays`)
+Rows are made as they are read, a page of episodes at a time (``Store.iter_episodes``),
+so an export of any size holds one page in memory. Reference plays (``reference_plays``)
 give the ``trl`` and ``openai`` rows of the solutions an expert's warm start trains on.
 """
 
@@ -235,7 +235,7 @@ def conversation(episode: Episode) -> Conversation | None:
 
 
 def _messages(raw: list[Any]) -> list[dict[str, Any]] | None:
-    """``raw`` as :func:`_message` gives each, with tool calls and results paired by id;
+    """``raw`` as ``_message`` gives each, with tool calls and results paired by id;
     None if one is not a chat message."""
     messages = []
     for item in raw:
@@ -478,7 +478,7 @@ def _reference_conversation(
     max_observation_chars: int,
     examples: Sequence[dict[str, Any]] = (),
 ) -> Conversation | None:
-    """The task's reference play (:func:`play_reference`, as the warm start plays it) as
+    """The task's reference play (``play_reference``, as the warm start plays it) as
     messages behind the system prompt and the agent's ``examples``, or None where it has
     none that succeeds."""
     play = play_reference(env, seed, max_turns=max_turns, max_observation_chars=max_observation_chars)

@@ -6,20 +6,20 @@ agent's policy, tool schemas and worked examples, a group's ticket, a conversati
 earlier turns. On a CPU that opening costs more than the reply, so both run it once and
 every row continues from its keys and values:
 
-- :func:`prefill`: the keys and values of a prefix, continuing from a shorter one's;
-- :func:`shared_prefix`: a batch's own common opening, run once and repeated per row
+- ``prefill``: the keys and values of a prefix, continuing from a shorter one's;
+- ``shared_prefix``: a batch's own common opening, run once and repeated per row
   (training); the gateway keeps prefixes across requests instead
-  (:class:`~trace_plugin.gateway.prefix_cache.PrefixCache`);
-- :func:`generate_batch`: ``model.generate`` over the rows' remaining tokens, left-padded
-  after their cached prefixes, which may differ in length (:func:`continuation_batch`),
-  into a preallocated cache (:func:`preallocated`): a batch that starts and ends together
-  (a rollout group); the rows' cached prefixes may be their own (:func:`stacked`), such as
-  each conversation's keys and values from its previous turn (:func:`row_layers`);
-- :class:`SlotCache`: the cache of a batch that rows join and leave while it decodes (the
+  (``PrefixCache``);
+- ``generate_batch``: ``model.generate`` over the rows' remaining tokens, left-padded
+  after their cached prefixes, which may differ in length (``continuation_batch``),
+  into a preallocated cache (``preallocated``): a batch that starts and ends together
+  (a rollout group); the rows' cached prefixes may be their own (``stacked``), such as
+  each conversation's keys and values from its previous turn (``row_layers``);
+- ``SlotCache``: the cache of a batch that rows join and leave while it decodes (the
   gateway's continuous batching);
-- :class:`TemperatureSampler`: plain temperature sampling for ``generate``, cheaper
+- ``TemperatureSampler``: plain temperature sampling for ``generate``, cheaper
   than its own;
-- :class:`Fold`: a LoRA's low-rank product summed into its base weights while many tokens
+- ``Fold``: a LoRA's low-rank product summed into its base weights while many tokens
   are decoded through one fixed adapter (a rollout, an evaluation through one expert).
 
 Sampling settings, stopping, adapters and gradient mode are the callers'. torch and
@@ -96,13 +96,13 @@ def prefill(model: Any, ids: Sequence[int], *, past: Layers | None = None) -> tu
 
 
 def layers(cache: Any) -> Layers:
-    """A ``DynamicCache``'s keys and values per layer, as :func:`prefill` continues from them."""
+    """A ``DynamicCache``'s keys and values per layer, as ``prefill`` continues from them."""
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 def shared_prefix(model: Any, rows: Sequence[Sequence[int]], min_tokens: int = 64) -> tuple[int, Any]:
     """The tokens every row of the batch can skip, and their keys and values run once and
-    repeated per row (0 and None when they share too little: :func:`shared_prefix_length`)."""
+    repeated per row (0 and None when they share too little: ``shared_prefix_length``)."""
     skip = shared_prefix_length(rows, min_tokens)
     if not skip:
         return 0, None
@@ -130,7 +130,7 @@ def preallocated(model: Any, prefix: Any, length: int) -> Any:
 def stacked(rows: Sequence[Layers | None]) -> Layers:
     """Rows' own prefixes' keys and values (one row each, of any lengths; None: nothing
     cached) as one batch's cache, each row from position 0 and zero-padded to the longest:
-    the layout :func:`continuation_batch` runs on, with per-row skips."""
+    the layout ``continuation_batch`` runs on, with per-row skips."""
     template = next(row for row in rows if row is not None)
     longest = max(row[0][0].shape[2] for row in rows if row is not None)
     stacked_layers: Layers = []
@@ -160,11 +160,11 @@ class SlotCache:
 
     Row i of the batch lives in slot i, at its own length: a step writes each row's new
     position at that row's length, and attends each row to its own positions only
-    (:meth:`step_inputs`). A row joins with its prompt's keys and values (:meth:`put`) and
-    leaves by having the last row moved into its slot (:meth:`move`), so the running rows
+    (``step_inputs``). A row joins with its prompt's keys and values (``put``) and
+    leaves by having the last row moved into its slot (``move``), so the running rows
     are always slots ``0 .. rows - 1`` and every step is one batch without holes.
 
-    transformers sees it as the model's ``cache``: only :meth:`update` is called, with the
+    transformers sees it as the model's ``cache``: only ``update`` is called, with the
     explicit positions and 4-D mask the step passes.
     """
 
@@ -283,9 +283,9 @@ def draw(probs: Any, generator: Any = None) -> Any:
 
 
 class Generated(NamedTuple):
-    """What :func:`generate_batch` ran: ``generate``'s output, the input's width (each row's
+    """What ``generate_batch`` ran: ``generate``'s output, the input's width (each row's
     new tokens start there) and the cache it decoded into (every row's keys and values,
-    laid out as :func:`continuation_batch` laid out the input)."""
+    laid out as ``continuation_batch`` laid out the input)."""
 
     out: Any
     width: int
@@ -302,7 +302,7 @@ def generate_batch(
     **generate_kwargs: Any,
 ) -> Generated:
     """``model.generate`` over ``rows``, their first ``skip`` tokens (one count for every
-    row, or one per row) already in ``cache`` (a transformers cache, or :class:`Layers`).
+    row, or one per row) already in ``cache`` (a transformers cache, or ``Layers``).
 
     ``generate_kwargs`` are ``generate``'s (sampling, stopping, adapters), and name
     ``max_new_tokens`` (or a ``generation_config`` that does): the cache is sized by it.
@@ -322,12 +322,12 @@ def generate_batch(
 
 
 class Fold:
-    """A PEFT model's active LoRA adapters summed into its base weights, until :meth:`restore`.
+    """A PEFT model's active LoRA adapters summed into its base weights, until ``restore``.
 
     Decoding samples many tokens through an adapter that does not change meanwhile, and
     PEFT's separate low-rank path cost a fifth of a CPU decode step. Each adapted layer's
     base weight is swapped for a merged copy (summed in float32, rounded once) and the
-    original put back on :meth:`restore`; PEFT's own unmerge would subtract in the base
+    original put back on ``restore``; PEFT's own unmerge would subtract in the base
     dtype and drift. Run the model with its adapters disabled while folded
     (``model.disable_adapter()``), or they would be added twice.
     """

@@ -116,7 +116,7 @@ def load_model(model_dir: str | Path, *, precision: Precision = "float32") -> tu
     """The causal LM, its weights in ``precision``, and its tokenizer set up for our template.
 
     Without a GPU, bf16 decode steps attend through
-    :func:`~trace_plugin.attention.decode_attention`: SDPA's CPU kernel is slow for them in
+    ``decode_attention``: SDPA's CPU kernel is slow for them in
     bf16, but not in float32, where it beat ours (``bench/gateway.py``,
     ``decode_attention_speedup``).
     """
@@ -141,7 +141,7 @@ def load_model(model_dir: str | Path, *, precision: Precision = "float32") -> tu
 
 @functools.cache
 def load_tokenizer(model_dir: str | Path | None = None) -> Any:
-    """The model's tokenizer alone, set up as :func:`load_model` sets it up (cached)."""
+    """The model's tokenizer alone, set up as ``load_model`` sets it up (cached)."""
     from transformers import AutoTokenizer
 
     return prepare_tokenizer(AutoTokenizer.from_pretrained(resolve_model(model_dir), local_files_only=True))

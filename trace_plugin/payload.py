@@ -5,7 +5,7 @@ dataclasses, exceptions, objects with no JSON form. Everything is converted here
 never fails. Plain data (with a ``default`` for a framework's own types) that reaches no
 object twice and fits the size budget is serialized by orjson at submit, which costs the
 agent microseconds and keeps its objects out of the queue; anything else, and anything to
-redact, waits for the recorder's thread and :func:`shape`.
+redact, waits for the recorder's thread and ``shape``.
 
 Shaping costs time and memory bounded by what it keeps, never by the value as fully
 expanded: each object is shaped once, however often it is referenced, and the walk stops
@@ -65,7 +65,7 @@ class Shaped:
     orjson walks the value in C and calls ``default`` only for the objects it does not
     know, so a state of plain data and a few messages costs no walk in Python. When orjson
     may not take it (a shared object, a cycle, too large) or a redactor must see every
-    string, :func:`shape` applies ``default`` the same way. ``default`` raises TypeError
+    string, ``shape`` applies ``default`` the same way. ``default`` raises TypeError
     for what it does not know either.
     """
 
@@ -78,7 +78,7 @@ class Shaped:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Shaping:
-    """A payload as :func:`shape` left it, and the work that took."""
+    """A payload as ``shape`` left it, and the work that took."""
 
     value: Any  # JSON-compatible; a prefix of the payload when ``cut``
     cut: bool  # the size or object budget ran out before the whole payload was shaped
@@ -95,7 +95,7 @@ def shape(
 ) -> Shaping:
     """A JSON-compatible copy of ``value``; what has no JSON form becomes its type and repr.
 
-    Bounded by what it keeps: past ``max_bytes`` (estimated) or :data:`_MAX_NODES` objects
+    Bounded by what it keeps: past ``max_bytes`` (estimated) or ``_MAX_NODES`` objects
     the walk stops, and an object met again is a ``{"__ref__": pointer}`` marker, so a
     value shared along 2^64 paths costs 64 steps. Depth is capped at 64.
     """
@@ -326,7 +326,7 @@ def encode_now(value: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> str | None:
     Capture calls this on the agent's thread, where it costs microseconds for a typical
     payload (about a millisecond per megabyte), so the queued record holds one string
     instead of the agent's objects. What orjson must not take (a shared object, a cycle,
-    a foreign type, a lone surrogate, more than ``max_bytes``) and any :class:`Lazy`
+    a foreign type, a lone surrogate, more than ``max_bytes``) and any ``Lazy``
     value wait for the writer's bounded walk. Not for payloads that must be redacted first.
     """
     if isinstance(value, Shaped):

@@ -1,6 +1,6 @@
 """The recorder: moves capture records off the agent's threads and into the store.
 
-Capture calls :meth:`Recorder.submit`, which never raises: it encodes the record's
+Capture calls ``Recorder.submit``, which never raises: it encodes the record's
 payloads with orjson (microseconds), packs the record into a tuple of plain values and
 appends it to a bounded queue. One background thread writes the queue in batches, and
 encodes what submit left to it: payloads to redact, and values orjson refuses. When the
@@ -85,7 +85,7 @@ def encode_record(record: Record, policy: PayloadPolicy) -> Record:
 
 @dataclass(frozen=True, slots=True)
 class _Layout:
-    """Where a record type's fields sit in its packed tuple (see :func:`pack`)."""
+    """Where a record type's fields sit in its packed tuple (see ``pack``)."""
 
     tag: int
     cls: type
@@ -149,7 +149,7 @@ def pack(record: Record, max_bytes: int) -> tuple[Any, ...] | None:
 
 
 def unpack(packed: tuple[Any, ...]) -> Record:
-    """The record :func:`pack` made ``packed`` from, its payloads as :class:`JsonText`."""
+    """The record ``pack`` made ``packed`` from, its payloads as ``JsonText``."""
     layout = _BY_TAG[packed[0]]
     values = list(packed[1:])
     for i in layout.json_at:
@@ -199,7 +199,7 @@ _clock = time.monotonic  # the writer's cadence; a test drives it by hand
 
 
 class Recorder:
-    """Batched, non-blocking writes of capture records into a :class:`Store`."""
+    """Batched, non-blocking writes of capture records into a ``Store``."""
 
     def __init__(
         self,
@@ -479,7 +479,7 @@ def configure(db_url: str | None = None, **options: Any) -> Recorder:
 def flush(timeout: float | None = 30.0) -> bool:
     """Wait until every record captured so far through the default recorder is stored.
 
-    False if that timed out. A :class:`Recorder` of your own has its own ``flush``.
+    False if that timed out. A ``Recorder`` of your own has its own ``flush``.
     """
     return _default.flush(timeout) if _default is not None else True
 

@@ -25,7 +25,7 @@ def forced_opening(call: str | bool) -> str:
     """The start of an assistant turn that calls ``call`` (a function's name, or True for
     any), exactly as the shared template renders one, up to where the model must go on: the
     name, or a named function's arguments object. Small models cannot be told to call; they
-    can be started calling. A forced call is one call: the reply stops at its :data:`CLOSE`."""
+    can be started calling. A forced call is one call: the reply stops at its ``CLOSE``."""
     if call is False:
         return ""
     name = "" if call is True else json.dumps(call)[1:-1] + '", "arguments": {'
@@ -127,8 +127,8 @@ class ReplyStream:
     Content streams as it comes, up to a tool call's opening tag (text that may begin one,
     and trailing whitespace, wait). A call's first delta carries its id and name as soon
     as the name is written, then its arguments object follows in fragments as they are
-    written; a call of another shape goes out whole when it closes. :meth:`finish` takes
-    the parse of the whole reply (:func:`parse_completion`: what the non-streamed response
+    written; a call of another shape goes out whole when it closes. ``finish`` takes
+    the parse of the whole reply (``parse_completion``: what the non-streamed response
     holds and capture records) and sends what the stream has not: calls still unsent or,
     for markup that did not parse after all, the text as content.
     """

@@ -1,7 +1,7 @@
 """The framework-neutral tracer: episodes and steps as capture sources see them.
 
 Integrations (LangGraph callbacks, the gateway, the MCP proxy, litellm) translate their
-own events into calls on a :class:`Tracer`; it stamps ids, order and times and submits
+own events into calls on a ``Tracer``; it stamps ids, order and times and submits
 records to the recorder. Nothing here serializes payloads: that happens on the recorder's
 thread, so these calls stay cheap on the agent's.
 """

@@ -196,7 +196,7 @@ class ExpertTrainingConfig:
         return data
 
     def learning_dict(self) -> dict[str, Any]:
-        """:meth:`to_dict` without where the run takes place: a run resumed against a vLLM
+        """``to_dict`` without where the run takes place: a run resumed against a vLLM
         server on another port is the same run."""
         return {k: v for k, v in self.to_dict().items() if k not in PLACE_FIELDS}
 

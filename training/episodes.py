@@ -1,8 +1,8 @@
 """Episodes played for training: the player that renders and plays them, and its backend.
 
-:class:`EpisodePlayer` renders prompts as the gateway serves them and plays whole episodes,
+``EpisodePlayer`` renders prompts as the gateway serves them and plays whole episodes,
 all rollouts of a batch in lockstep with one batched ``generate`` per turn; GRPO's rollout
-function and the warm start's reference plays (:mod:`training.warm_start`) both build their
+function and the warm start's reference plays (``training.warm_start``) both build their
 token sequences here, so the two can never disagree about what the model is trained on.
 """
 
@@ -40,7 +40,7 @@ Generate = Callable[[list[list[int]]], list[list[int]]]
 class Rollout:
     """One episode played for training, as the loss sees it, and what the environment made of it.
 
-    Not :class:`trace_plugin.records.trajectory.Episode`, the stored record of an agent's run.
+    Not ``trace_plugin.records.trajectory.Episode``, the stored record of an agent's run.
     """
 
     seed: int
@@ -206,7 +206,7 @@ def hf_generate(
     A batch's prompts open alike (the policy, tool schemas and worked examples; a group's
     ticket too, on every turn), and on a CPU that prompt costs more than the reply. With
     ``share_prefix`` the common opening runs once and every row continues from its keys
-    and values (:func:`trace_plugin.generation.shared_prefix`), on the generation core the
+    and values (``trace_plugin.generation.shared_prefix``), on the generation core the
     gateway's embedded backend serves requests with.
 
     With ``keep_turns`` each row's keys and values outlive the call that made them: a

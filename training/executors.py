@@ -1,7 +1,7 @@
 """Where experts train: in this process (the default) or in parallel on a Ray cluster.
 
-A :class:`TrainingJob` is plain data (the environment as a spec, seeds, the config as a
-dict), so it can be shipped to another process or machine; :func:`run_job` is what runs
+A ``TrainingJob`` is plain data (the environment as a spec, seeds, the config as a
+dict), so it can be shipped to another process or machine; ``run_job`` is what runs
 on the other end. The Ray executor gives each expert one slot (a GPU where asked, else
 CPUs): users who outgrow one machine point ``address`` at their cluster.
 """

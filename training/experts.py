@@ -13,9 +13,9 @@ and the TRACE recipe need three things the other two cannot give:
 - A single-decision formulation (one tool choice per prompt) would need a reward we
   invent per step; ours is ``env.reward(answer).total``, a verifier of the whole episode.
 
-So :class:`EpisodePlayer` plays whole episodes, all rollouts of a batch in lockstep with
-one batched ``generate`` per turn, each a :class:`Rollout`, and the rollout function
-(:class:`RolloutFunction`) returns, per rollout, the
+So ``EpisodePlayer`` plays whole episodes, all rollouts of a batch in lockstep with
+one batched ``generate`` per turn, each a ``Rollout``, and the rollout function
+(``RolloutFunction``) returns, per rollout, the
 un-hinted prompt ids, the completion ids (model turns and tool results interleaved) with
 an ``env_mask`` that keeps tool-result tokens out of the loss, and the episode reward for
 the reward function to pass through. TRL then computes the group advantages and the loss.
@@ -306,7 +306,7 @@ def shared_prefix_logps(
     fused log-prob head. Positions and masks are those of the full sequences, and gradients
     flow back through the shared cache into the LoRA weights of the prompt pass. With
     ``recompute`` each decoder layer is replayed in backward instead of keeping its
-    activations (:mod:`training.recompute`).
+    activations (``training.recompute``).
     """
     from peft import PeftModel
 
@@ -357,7 +357,7 @@ def shared_prefix_logps(
 
 
 def _shared_prefix_trainer() -> type:
-    """TRL's ``GRPOTrainer`` with :func:`shared_prefix_logps` as its loss pass (text only)."""
+    """TRL's ``GRPOTrainer`` with ``shared_prefix_logps`` as its loss pass (text only)."""
     from trl import GRPOTrainer
 
     class SharedPrefixGRPOTrainer(GRPOTrainer):
@@ -690,7 +690,7 @@ def _logged(checkpoint: Path) -> Any:
 
 
 class _EarlyStop(TrainerCallback):
-    """Ends GRPO when its config's :meth:`~training.config.ExpertTrainingConfig.stop_reason`
+    """Ends GRPO when its config's ``stop_reason``
     says so, saving a checkpoint there so that a resumed run finds the same stop."""
 
     def __init__(self, config: ExpertTrainingConfig) -> None:

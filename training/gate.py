@@ -3,10 +3,10 @@
 TRACE's second composition: a small gate on the frozen base model's hidden state, with
 the base model and the experts frozen. For each practice task, every choice (the base
 model and each expert) is played; the task's label is the choice that scored best
-(:func:`oracle_choices`). The gate standardizes the request's embedding
-(:func:`trace_plugin.chat_template.gate_input`, embedded by the serving backend), projects
+(``oracle_choices``). The gate standardizes the request's embedding
+(``trace_plugin.chat_template.gate_input``, embedded by the serving backend), projects
 it to a few dimensions shared by all layers, and gives each decoder layer its own softmax
-over the choices (:class:`~trace_plugin.gateway.routing.GateRouter`). It is warm-started as
+over the choices (``GateRouter``). It is warm-started as
 the paper's is, on the supervised labels, every layer fitted to them; the paper's optional
 fine-tuning by GRPO on the capability environments is not done here. Small enough to fit
 on CPU in seconds, and to store in the router spec that deployments keep.

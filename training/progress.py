@@ -11,7 +11,7 @@ from transformers import TrainerCallback
 
 
 class StepProgress(TrainerCallback):
-    """A bar labelled ``label`` showing ``figure``; subclasses log a line per step with :meth:`step`."""
+    """A bar labelled ``label`` showing ``figure``; subclasses log a line per step with ``step``."""
 
     def __init__(self, console: Console, label: str, figure: str) -> None:
         columns = (

@@ -1,15 +1,15 @@
 """Activation recomputation for loss passes that continue from a shared prompt's keys and values.
 
 GRPO's loss pass runs a group's prompt once and each rollout from its keys and values
-(:func:`training.experts.shared_prefix_logps`), and the warm start does the same for a
-batch's common opening (:func:`training.warm_start.opening_once_forward`). Backward then
+(``training.experts.shared_prefix_logps``), and the warm start does the same for a
+batch's common opening (``training.warm_start.opening_once_forward``). Backward then
 needs every decoder layer's activations for every token: about 76 KB a token a layer for
 SmolLM2-135M in bf16 with LoRA on every linear layer (PEFT runs adapters in float32, so
 each adapted projection keeps a float32 copy of its input), 13.5 GB for four rollouts of
 2,400 tokens. Recomputing each layer in backward keeps only the layers' inputs.
 
 transformers' gradient checkpointing drops the cache, because a layer that writes its keys
-and values would write them again when backward replays it. :class:`ReplayCache` writes
+and values would write them again when backward replays it. ``ReplayCache`` writes
 nothing: it returns the held prefix's keys and values followed by the new ones, and keeps
 the first keys and values each layer computed, so a replay reads what the forward read.
 """
@@ -60,7 +60,7 @@ class ReplayCache(DynamicCache):
 def recomputed(model: Any) -> Iterator[None]:
     """Inside, a training pass through ``model``'s decoder layers keeps only their inputs and
     replays each layer in backward (non-reentrant ``torch.utils.checkpoint``), reading its
-    cache, which must be a :class:`ReplayCache`."""
+    cache, which must be a ``ReplayCache``."""
     from peft import PeftModel
 
     unwrapped = model.get_base_model() if isinstance(model, PeftModel) else model

@@ -12,7 +12,7 @@ the two share a filesystem (one host, or a shared mount).
 
 vLLM computes a LoRA in the model's dtype, while training keeps it in float32 over the base
 weights' dtype, so the sampled tokens' log-probabilities differ from the trainer's; TRL's
-importance correction is off with our rollout function. :func:`sampling_gap` measures the
+importance correction is off with our rollout function. ``sampling_gap`` measures the
 difference as the mean |Δ log p| over sampled tokens: a float32 server and float32
 training compute the same network, apart from summation order; in bf16 vLLM's kernels
 round otherwise than torch's, and its bf16 LoRA adds to that (``tests/test_vllm_rollouts.py``).
@@ -41,10 +41,10 @@ class RolloutServerError(TracePluginError, RuntimeError):
 
 
 class ServerGenerate:
-    """A :data:`Generate` backend on a vLLM server: one batched ``/v1/completions`` per turn.
+    """A ``Generate`` backend on a vLLM server: one batched ``/v1/completions`` per turn.
 
     Keeps the sampled tokens' log-probabilities of the last call in ``logprobs``, for
-    :func:`sampling_gap`.
+    ``sampling_gap``.
     """
 
     def __init__(
@@ -94,7 +94,7 @@ def server_policy(
     timeout: float = 600.0,
 ) -> Iterator[ServerGenerate]:
     """The PEFT ``model``'s current LoRA, loaded into the vLLM server at ``url`` under a fresh
-    name for the duration of the block, as a :class:`ServerGenerate`."""
+    name for the duration of the block, as a ``ServerGenerate``."""
     name = f"policy-{uuid.uuid4().hex[:12]}@1"
     path = work_dir / POLICY_DIR / name
     model.save_pretrained(str(path))

@@ -3,7 +3,7 @@ before GRPO, so that GRPO starts from a policy that sometimes succeeds.
 
 Pure RL from SmolLM2-135M found no gradient: its groups were all failures, so every
 advantage was zero. A synthesized environment holds a verified reference solution for
-every seed; played through the environment (:meth:`EpisodePlayer.reference`) it becomes a
+every seed; played through the environment (``EpisodePlayer.reference``) it becomes a
 token sequence exactly like a rollout's, rendered behind the agent's own system prompt and
 worked examples, with the task's tools, by our own chat template. We hand TRL's
 ``SFTTrainer`` those ids pre-tokenized with an assistant mask (its ``assistant_masks``
@@ -13,7 +13,7 @@ puts in the prompt). ``max_length`` is the longest play: SFT's default of 1024 t
 sequences from the end, and the retail prompt alone is about 1,350.
 
 Plays never repeat a task that is evaluated: a play whose request and offered tools hash
-(:func:`~trace_plugin.environments.base.task_key`) to one of an evaluated set is left out,
+(``task_key``) to one of an evaluated set is left out,
 since seeds alone do not separate them (the generic family's no-call requests are three
 fixed strings).
 
@@ -199,7 +199,7 @@ def opening_once_forward(model: Any, input_ids: Any, attention_mask: Any, labels
     key/value cache is repeated per row and each row continues from it. Positions and masks
     are the full sequences', and gradients flow back through the cache into the opening's
     LoRA weights, so loss and gradients are those of the plain forward. Each decoder layer is
-    replayed in backward instead of keeping its activations (:mod:`training.recompute`).
+    replayed in backward instead of keeping its activations (``training.recompute``).
     """
     from peft import PeftModel
 
@@ -232,7 +232,7 @@ def _shared_opening_trainer() -> type:
     from trl import SFTTrainer
 
     class _OpeningOnce:
-        """The model as ``SFTTrainer.compute_loss`` calls it, through :func:`opening_once_forward`."""
+        """The model as ``SFTTrainer.compute_loss`` calls it, through ``opening_once_forward``."""
 
         def __init__(self, model: Any) -> None:
             self.model = model

@@ -141,7 +141,7 @@ class ReferencePlay:
     """A task's verified reference solution played in its environment: per turn, the calls
     and what the environment answered, then the answer told to the user (None: the play
     ended on a call). A turn's results are shown to the model only when something follows
-    them (:meth:`shows_results`)."""
+    them (``shows_results``)."""
 
     task: Task
     tools: list[dict[str, Any]]
@@ -156,8 +156,8 @@ class ReferencePlay:
 def play_reference(
     env: Environment, seed: int, *, max_turns: int, max_observation_chars: int
 ) -> ReferencePlay | None:
-    """Play the task's reference calls (:func:`reference_turns`) with the environment's real
-    results, then tell :func:`reference_answer`. None when the task has no reference, is
+    """Play the task's reference calls (``reference_turns``) with the environment's real
+    results, then tell ``reference_answer``. None when the task has no reference, is
     unsatisfiable, takes more than ``max_turns``, or the play does not succeed. The warm
     start's token ids and the exported reference plays are both made from this one play."""
     task = env.reset(seed)
@@ -190,7 +190,7 @@ def task_key(prompt: str, tools: list[dict[str, Any]] | None) -> str:
 
 
 def seed_key(factory: Callable[[], Environment], seed: int) -> str:
-    """The key (:func:`task_key`) of ``factory``'s task on ``seed``."""
+    """The key (``task_key``) of ``factory``'s task on ``seed``."""
     env = factory()
     task = env.reset(seed)
     return task_key(task.prompt, offered_tools(env, task))
@@ -204,7 +204,7 @@ def task_keys(factory: Callable[[], Environment], seeds: Sequence[int]) -> set[s
 def unseen_seeds(
     factory: Callable[[], Environment], seeds: Sequence[int], exclude: Collection[str]
 ) -> list[int]:
-    """``seeds`` whose tasks (:func:`task_key`) are none of ``exclude``: a task GRPO samples
+    """``seeds`` whose tasks (``task_key``) are none of ``exclude``: a task GRPO samples
     must not be one the warm start memorized or an evaluation plays, or its groups go flat."""
     if not exclude:
         return list(seeds)

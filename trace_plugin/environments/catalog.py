@@ -1,10 +1,10 @@
 """Which environments exist, and how a capability becomes a validated one.
 
-Targets are the environments agents are judged on (:class:`Target`): the bundled retail
+Targets are the environments agents are judged on (``Target``): the bundled retail
 one, those packages register under the entry-point group ``trace_plugin.targets``, and any
-named as ``package.module:attribute`` (:func:`load_target`). Synthesized environments are
+named as ``package.module:attribute`` (``load_target``). Synthesized environments are
 stored specs, looked up by name (their latest version unless one is asked for). All come
-out of :func:`env_factory` as the same kind of factory, so the runner, the MCP server and
+out of ``env_factory`` as the same kind of factory, so the runner, the MCP server and
 the trainer never know the difference.
 """
 

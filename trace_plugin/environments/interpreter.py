@@ -1,4 +1,4 @@
-"""``SpecEnv``: runs an :class:`EnvSpec` as an environment of the shared protocol.
+"""``SpecEnv``: runs an ``EnvSpec`` as an environment of the shared protocol.
 
 The interpreter is the only code a synthesized environment ever runs: tool behaviours,
 generators and checks come from a fixed vocabulary, so a spec (even one an LLM proposed)

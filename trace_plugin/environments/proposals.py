@@ -2,7 +2,7 @@
 
 The model sees the capability and the offline synthesizer's spec, and answers with a
 whole ``EnvSpec`` as JSON (richer tickets, better-aimed checks). Whatever it writes is
-data: :func:`~trace_plugin.records.env_spec.parse_spec` rejects anything malformed,
+data: ``parse_spec`` rejects anything malformed,
 oversized or referencing what does not exist; a proposal may only use the target's own
 tool schemas, unchanged; and the reference, do-nothing and random policies must score as
 a usable reward requires. A rejected answer goes back to the model with the reason, up to

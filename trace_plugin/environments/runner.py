@@ -6,7 +6,7 @@ Two kinds of agent are supported:
   decorator records the episode; the runner chooses its id and attaches the reward. A
   task that offers its own tools passes them in the graph's input as ``tools`` (OpenAI
   schemas), as a request to an agent whose tools differ per request carries them;
-- :class:`ChatLoopAgent`, a plain tool-calling loop against any OpenAI-compatible
+- ``ChatLoopAgent``, a plain tool-calling loop against any OpenAI-compatible
   endpoint, which records its own episodes.
 
 Tasks run concurrently up to a limit, with a progress bar, and end in a results table.

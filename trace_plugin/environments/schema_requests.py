@@ -66,7 +66,7 @@ def requests(
     """Templates, checks and the tools they use. ``column(param)`` gives the value pool of a
     string parameter with no enum or format (captured values, else named defaults).
     ``phrasings`` (tool -> captured requests with their argument values as ``{name}``
-    placeholders, :func:`phrasing`) word a tool's request as its users did, with other values
+    placeholders, ``phrasing``) word a tool's request as its users did, with other values
     in it, instead of dictating each argument."""
     phrasings = phrasings or {}
     calls = [call for schema in tools if (call := _call(schema, column, phrasings)) is not None][:MAX_CALLED]

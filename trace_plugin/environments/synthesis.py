@@ -12,7 +12,7 @@ exercise that capability, and a reward program aimed at it: valid calls for
 ``tool_call_format``, grounded follow-up lookups for ``argument_grounding``, read before
 write for ``precondition_verification``, forbidden writes for ``policy_refusal``, and so on.
 Where the tools give a family nothing to work with (stateless tools, no ids), the generic
-family of :mod:`~trace_plugin.environments.schema_requests` exercises the calls themselves,
+family of ``schema_requests`` exercises the calls themselves,
 so any tool with an object schema yields an environment.
 """
 
@@ -178,7 +178,7 @@ def _error_text(result: str) -> str | None:
 
 def observed_phrasings(trajectories: Iterable[Trajectory], most: int = 4) -> dict[str, list[str]]:
     """Per tool, the commonest requests that one successful call of it answered, with the
-    call's values as ``{argument}`` placeholders (:func:`phrasing`): the generic family words
+    call's values as ``{argument}`` placeholders (``phrasing``): the generic family words
     its tickets so, where it would otherwise dictate each argument."""
     counts: dict[str, Counter[str]] = {}
     for t in trajectories:
@@ -398,7 +398,7 @@ def worked_hint(spec: EnvSpec) -> str:
 class CapturedInterface:
     """The agent's interface as its captured production traffic shows it: its tools, system
     prompt, observed values, and the few-shot examples it puts before every request
-    (experts train behind them). What :func:`synthesize` builds an environment from."""
+    (experts train behind them). What ``synthesize`` builds an environment from."""
 
     tools: list[dict[str, Any]]
     system_prompt: str

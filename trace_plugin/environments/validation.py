@@ -7,7 +7,7 @@ An environment is usable only when its reward means something:
 - **calibration**: the base model, sampled K times on each of M seeds, must land in a
   learnable band (mean reward 0.15–0.7 by default) with enough informative groups (K
   samples that do not all score the same: GRPO learns nothing from a constant group).
-  Out of band, :func:`adjust` turns a difficulty knob and calibration runs again, up to
+  Out of band, ``adjust`` turns a difficulty knob and calibration runs again, up to
   five attempts; every attempt is kept in the report. Easing never lets doing nothing or
   random calls pass: a step that would is skipped.
 """
@@ -237,7 +237,7 @@ def adjust(spec: EnvSpec, mean: float, band: Band = DEFAULT_BAND) -> EnvSpec | N
     Easier, in order: no distractor rows; requests that name the tools to call; one call
     per ticket (for kinds whose point is that last call); partial credit for calls of the
     right tool with some right arguments; fewer templates. A step whose spec would let
-    doing nothing or random calls pass (:func:`check_policies`) is skipped."""
+    doing nothing or random calls pass (``check_policies``) is skipped."""
     difficulty = spec.difficulty
     if mean > band.high:
         if difficulty.name_tools:

@@ -1,8 +1,8 @@
 """The OpenAI-compatible gateway (needs the ``serve`` extra; the embedded backend, ``train``).
 
-Its public face: :func:`serve_embedded` runs the gateway in front of the embedded model on
-a background thread of this process (a :class:`RunningServer`), configured by a
-:class:`GatewayConfig`; :class:`GatewayAdmin` is a client of its admin API (loading
+Its public face: ``serve_embedded`` runs the gateway in front of the embedded model on
+a background thread of this process (a ``RunningServer``), configured by a
+``GatewayConfig``; ``GatewayAdmin`` is a client of its admin API (loading
 adapters, setting routers). Each is imported on first use, so that what imports only the
 admin client or adapter names does not load the server.
 """

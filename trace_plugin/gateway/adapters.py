@@ -17,7 +17,7 @@ files would serve blocks cached under the old weights; a new version is a new na
 Mixtures are named by their parts' versions and weights, so they inherit the rule.
 
 A mixture of several adapters is served as one composed adapter
-(:mod:`trace_plugin.gateway.composition`), written under the adapter root and loaded on
+(``trace_plugin.gateway.composition``), written under the adapter root and loaded on
 first use under its deterministic name. The registry keeps the few most recent, within a
 count and a size on disk; an evicted one is unloaded once its requests are done, and only
 then is its folder deleted.
@@ -204,7 +204,7 @@ class AdapterRegistry:
     # -- request side (synchronous: atomic on the event loop) ------------------------------
 
     def acquire(self, model: str) -> str | None:
-        """The loaded adapter that serves ``model`` now, pinned until :meth:`release`."""
+        """The loaded adapter that serves ``model`` now, pinned until ``release``."""
         full = self.live.get(model) or (model if model in self._versions else None)
         if full is not None:
             version = self._versions[full]
@@ -221,7 +221,7 @@ class AdapterRegistry:
 
     async def acquire_mixture(self, mixture: Mixture) -> tuple[str | None, Mixture]:
         """The backend adapter that serves ``mixture`` now (None: the base model), pinned
-        until :meth:`release`, and the mixture on the versions it was made of.
+        until ``release``, and the mixture on the versions it was made of.
 
         One adapter is served as itself. Several are composed on first use, from the live
         versions of their names: a new version makes a new composition, and the old one

@@ -7,8 +7,8 @@ adapter by name (the vLLM convention); a request naming the base model or the ag
 routed by the router; ``base`` is always the base model itself, and ``router:NAME`` a
 candidate router. Every call is recorded as a step of an episode in the store.
 
-The routes live in :mod:`trace_plugin.gateway.routes`, one router a concern, and serve
-with the app's :class:`GatewayState`; this module assembles them.
+The routes live in ``trace_plugin.gateway.routes``, one router a concern, and serve
+with the app's ``GatewayState``; this module assembles them.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ class Backend(Protocol):
 
     async def stream(self, prompt: str, params: SamplingParams, adapter: str | None) -> Events:
         """``generate``'s completions as they are generated: each index's deltas in order,
-        then its :class:`Finished`. Awaiting it does the checks, so a request that cannot be
+        then its ``Finished``. Awaiting it does the checks, so a request that cannot be
         served raises here, before anything is sent; closing the iterator early stops the
         generation (a client that went away)."""
         ...

@@ -18,7 +18,7 @@ inside the system turn, so two such requests part there, and a line cut still re
 the policy and every tool line they share. Entries are per adapter: a LoRA on the
 attention projections changes the keys and values. Only the choice of prefixes is here
 (pure functions of token ids); the tensors stay opaque to this module, and running a
-batch on them is :mod:`trace_plugin.generation`'s.
+batch on them is ``trace_plugin.generation``'s.
 """
 
 from __future__ import annotations

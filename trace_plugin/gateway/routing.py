@@ -1,11 +1,11 @@
 """Routers: which adapters serve a request that names the agent or the base model.
 
 A router sees the conversation and the offered tools and returns a
-:class:`~trace_plugin.records.mixture.Mixture`: adapters (by unversioned name: the registry
+``Mixture``: adapters (by unversioned name: the registry
 picks the live versions) and their weights, empty for the base model; one adapter at
 weight 1 is a plain choice. Every
 router is described by a JSON spec (``router.spec``, the wire form of a
-:mod:`trace_plugin.records.router_spec` model), which is what deployments store and what the
+``trace_plugin.records.router_spec`` model), which is what deployments store and what the
 gateway's admin API accepts, so a router version can be deployed, recorded and rolled back
 like an adapter: static, keyword, the TRACE paper's base model as classifier, and its
 learned per-layer mixture-of-experts gate over the base model's embedding of the request
@@ -250,7 +250,7 @@ class GateRouter:
     experts, computed once from the request's embedding and held for the conversation.
 
     ``choices[0]`` is the base model's slot (None); ``choices[i]`` the adapter of class i.
-    The result is a per-layer :class:`Mixture` (one composed adapter on either backend),
+    The result is a per-layer ``Mixture`` (one composed adapter on either backend),
     or a plain one when every layer agrees.
     """
 

@@ -1,5 +1,5 @@
 """Running the gateway: in the foreground for ``trace-plugin serve``, or on a background
-thread for a script that runs its agent beside it (:func:`serve_embedded`), the demo,
+thread for a script that runs its agent beside it (``serve_embedded``), the demo,
 tests and benchmarks."""
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 @dataclass
 class RunningServer:
     """A uvicorn server on a daemon thread; ``stop()`` shuts it down gracefully. A gateway
-    that serves a model here (:func:`serve_embedded`) names it and its served precision."""
+    that serves a model here (``serve_embedded``) names it and its served precision."""
 
     server: uvicorn.Server
     thread: threading.Thread

@@ -1,7 +1,7 @@
 """The gateway's state, one per app, and the operations its routes share: which adapters
 serve a request, holding them while it is served, generating, and recording the call.
 
-It lives on ``app.state.gateway``; a route receives it as the :data:`Gateway` dependency,
+It lives on ``app.state.gateway``; a route receives it as the ``Gateway`` dependency,
 so that the routes are plain module functions rather than closures of ``create_app``.
 """
 

@@ -10,7 +10,7 @@ the same tokens. Adapters go through vLLM's ``/v1/load_lora_adapter`` and
 A learned routing gate reads the base model's embeddings. vLLM serves those from a second
 instance of the same base model, ``vllm serve BASE --runner pooling --convert embed`` (its
 default pooling, the last token normalized, is what the embedded backend computes); pass
-its URL as ``embed_url`` (``LocalVLLM`` in :mod:`trace_plugin.gateway.vllm_server` starts
+its URL as ``embed_url`` (``LocalVLLM`` in ``trace_plugin.gateway.vllm_server`` starts
 both).
 
 Paths sent to vLLM are the gateway's resolved adapter paths: the two must share a

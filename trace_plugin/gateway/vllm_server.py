@@ -2,8 +2,8 @@
 
 vLLM pins what ours cannot share (``mcp>=2``, ``transformers<5.20``), so it runs as a
 process of its own from ``.venv-vllm`` (``scripts/setup.sh`` builds it), which is how
-vLLM is deployed anyway; the gateway talks to it through :class:`VLLMBackend`.
-:class:`VLLMServer` starts it on a free loopback port, waits until ``/health`` answers,
+vLLM is deployed anyway; the gateway talks to it through ``VLLMBackend``.
+``VLLMServer`` starts it on a free loopback port, waits until ``/health`` answers,
 writes its output to a log file, starts it again when it dies, and stops it on exit. It
 runs with runtime LoRA updates on, and ``--max-cpu-loras`` set, since its default (equal
 to ``--max-loras``) would re-read from disk every adapter that leaves the few slots.
@@ -128,7 +128,7 @@ def _checkout() -> Path:
 
 
 class VLLMServer:
-    """One vLLM server process for ``model_dir``, kept running until :meth:`stop`."""
+    """One vLLM server process for ``model_dir``, kept running until ``stop``."""
 
     def __init__(
         self,

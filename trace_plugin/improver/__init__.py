@@ -1,7 +1,7 @@
 """The improver: an agent that gets better from its own production traffic, unattended.
 
 One cycle runs mine → synthesize → screen → train → route → evaluate → verdict → deploy. Every unit of
-work is a :class:`~trace_plugin.records.job.Job` in the store, so a process killed at any
+work is a ``Job`` in the store, so a process killed at any
 point resumes the same cycle where it stopped, without training or deploying anything twice:
 expert ids, adapter names and deployment ids are all derived from the cycle id. A lease
 keeps a second improver for the same agent out.
@@ -10,16 +10,16 @@ Nothing unsafe is deployed. Candidates are loaded into the gateway beside the li
 experts and evaluated through it (a candidate router answers as ``router:CYCLE``), on the
 target's held-out tasks and on held-out seeds of every synthesized environment; only a
 deployment that beats the current one by more than ``margin``, with no capability
-regressing beyond ``tolerance``, takes the traffic (:func:`judge`, the deploy verdict).
-Between cycles, :meth:`Improver.monitor` compares the live success rate with the previous
+regressing beyond ``tolerance``, takes the traffic (``judge``, the deploy verdict).
+Between cycles, ``Improver.monitor`` compares the live success rate with the previous
 deployment's and rolls back when it fell.
 
-- :mod:`.config`: :class:`ImproverConfig` and the seed ranges;
-- :mod:`.outputs`: each stage's typed output, stored as ``Job.outputs``;
-- :mod:`.stages`: mine, synthesize, screen, train, route, deploy;
-- :mod:`.evaluation`: evaluate and the verdict;
-- :mod:`.monitor`: the triggers and rollback;
-- :mod:`.loop`: :class:`Improver`, the lease, the jobs and the cycle.
+- ``.config``: ``ImproverConfig`` and the seed ranges;
+- ``.outputs``: each stage's typed output, stored as ``Job.outputs``;
+- ``.stages``: mine, synthesize, screen, train, route, deploy;
+- ``.evaluation``: evaluate and the verdict;
+- ``.monitor``: the triggers and rollback;
+- ``.loop``: ``Improver``, the lease, the jobs and the cycle.
 """
 
 from trace_plugin.improver.config import GATE_SEEDS, HELD_OUT_SEEDS, TRAINING_SEEDS, ImproverConfig

@@ -26,19 +26,19 @@ MIN_CANARY_SHARE = 0.01
 class ImproverConfig:
     """What the improver watches, how hard it trains, and how careful it deploys.
 
-    ``training`` is the :class:`~training.config.ExpertTrainingConfig` experts train with;
+    ``training`` is the ``ExpertTrainingConfig`` experts train with;
     given as a mapping, it holds overrides of the ``preset`` (and becomes that config). The
     horizon (``max_turns``) and reply length (``max_completion_length``) are derived per
     environment, from the target's stated horizon and the environment's reference plays,
     unless ``training`` sets them (``pinned``): then they are honoured.
 
-    ``target`` names a :class:`~trace_plugin.environments.Target` (or, with ``target_seeds``
+    ``target`` names a ``Target`` (or, with ``target_seeds``
     given, a synthesized environment). ``target_seeds`` are the tasks the verdict decides
-    on, ``reported_seeds`` those :meth:`~trace_plugin.improver.Improver.live_summary`
+    on, ``reported_seeds`` those ``live_summary``
     reports (the verdict's where none are given): a score on the tasks that let a
     deployment through flatters it. Given neither, the target's test seeds are split: the
     first ``target_tasks`` decide, the next ``target_tasks`` are reported
-    (:func:`target_seeds`), whether the improver plays them or an ``evaluator`` it was given does.
+    (``target_seeds``), whether the improver plays them or an ``evaluator`` it was given does.
 
     A canary trial ends within ``canary_deadline`` seconds of going out, so that one that
     cannot fill its window does not hold the agent: past it, a trial whose arms each have
@@ -135,7 +135,7 @@ class ImproverConfig:
 
 def target_seeds(target: str, tasks: int) -> tuple[list[int], list[int]]:
     """The target's tasks when none are given: the verdict's, the first ``tasks`` test seeds
-    of the target ``target`` (:func:`~trace_plugin.environments.catalog.load_target`), and
+    of the target ``target`` (``load_target``), and
     the reported ones, the next ``tasks`` (half each where it has fewer than twice as many),
     with a warning when the target has more: a verdict on fewer tasks than a team wrote
     should not pass unseen."""

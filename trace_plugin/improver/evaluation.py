@@ -2,7 +2,7 @@
 
 Candidates are served beside the live experts (a candidate router answers as
 ``router:CYCLE``) and played on held-out seeds of every synthesized environment and on the
-target's held-out tasks; :func:`judge` lets only a clear improvement without regressions
+target's held-out tasks; ``judge`` lets only a clear improvement without regressions
 take the traffic.
 """
 
@@ -108,7 +108,7 @@ def live_key(deployment_id: str | None, seeds: Sequence[int]) -> str:
 def judge(evaluation: Evaluation | Mapping[str, Any], *, margin: float, tolerance: float) -> Verdict:
     """The deploy verdict: accept only a deployment that beats the live one on the target by
     more than ``margin`` and lets no capability fall more than ``tolerance``; the reasons say
-    why not. ``evaluation`` is an :class:`Evaluation` or its stored form (only its
+    why not. ``evaluation`` is an ``Evaluation`` or its stored form (only its
     ``capabilities`` and ``target`` are read)."""
     if isinstance(evaluation, Evaluation):
         capabilities = {c: (s.current, s.candidate) for c, s in evaluation.capabilities.items()}

@@ -70,7 +70,7 @@ class Improver:
     # -- the loop --------------------------------------------------------------------------
 
     def run_once(self, *, wait: float = 0.0) -> Deployment | None:
-        """One cycle (:meth:`run_cycle`): the deployment it made, None when it deployed
+        """One cycle (``run_cycle``): the deployment it made, None when it deployed
         nothing new, and then it says why (``run_cycle`` returns the reason as data)."""
         end = self.run_cycle(wait=wait)
         if end.deployed is None:
@@ -220,7 +220,7 @@ class Improver:
     ) -> OutputT:
         """Run ``work`` as a persisted job, or return what a finished run of it produced.
 
-        ``Job.outputs`` holds the stage's output (:data:`~trace_plugin.improver.outputs.OUTPUTS`)
+        ``Job.outputs`` holds the stage's output (``OUTPUTS``)
         as a dict; a done job's is read back as that type.
         """
         job = self.store.job(job_id(cycle, stage, key))
@@ -264,7 +264,7 @@ class Improver:
     async def learned_router(
         self, adapters: dict[str, str], experts: dict[str, str] | None = None
     ) -> Routing:
-        """The candidate learned gate over ``adapters`` (see :func:`stages.learned_router`)."""
+        """The candidate learned gate over ``adapters`` (see ``stages.learned_router``)."""
         return await stages.learned_router(self, adapters, experts)
 
     def _judge(self, scores: Evaluation) -> Verdict:
@@ -336,7 +336,7 @@ class Improver:
         return trial[-1] if trial else None
 
     def spec(self, capability: str, experts: dict[str, str] | None = None) -> EnvSpec:
-        """The environment ``capability``'s expert (:meth:`expert_of`) trained in."""
+        """The environment ``capability``'s expert (``expert_of``) trained in."""
         return self.env_of(self.expert_of(capability, experts))
 
     def env_of(self, expert: Expert) -> EnvSpec:

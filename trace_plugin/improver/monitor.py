@@ -1,7 +1,7 @@
 """Between cycles: whether a cycle is due, and rolling back a deployment that made things worse.
 
-Both read success rates straight from the store (:meth:`~trace_plugin.store.Store.outcome_windows`,
-one query each, by the success rule of :mod:`trace_plugin.records.outcome`).
+Both read success rates straight from the store (``outcome_windows``,
+one query each, by the success rule of ``trace_plugin.records.outcome``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def due(improver: Improver) -> bool:
 
 
 def monitor(improver: Improver) -> Deployment | None:
-    """Judge a canary on trial (:func:`judge_canary`), else roll the live deployment back
+    """Judge a canary on trial (``judge_canary``), else roll the live deployment back
     when its success rate fell below the previous one's. Returns what is live after a change."""
     trial = improver.canary()
     if trial is not None:

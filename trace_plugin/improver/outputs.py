@@ -1,7 +1,7 @@
 """What each stage of a cycle hands the next: typed, and stored as a dict in its job row.
 
-A stage returns one of these dataclasses; :meth:`Output.to_dict` is what ``Job.outputs``
-holds (the store speaks only plain records), and :meth:`Output.from_dict` is what a resumed
+A stage returns one of these dataclasses; ``Output.to_dict`` is what ``Job.outputs``
+holds (the store speaks only plain records), and ``Output.from_dict`` is what a resumed
 cycle reads back, so a stage that finished before a kill is never run again.
 """
 
@@ -66,7 +66,7 @@ class Synthesized(Output):
     An ``out_of_band`` environment trains: its band was measured on the base model, while
     GRPO trains the warm-started expert, which its reference plays lift into the band. Only
     a broken one (``rejected``) or none at all does not; whether the live agent still fails
-    it is the screen's question (:class:`Screened`)."""
+    it is the screen's question (``Screened``)."""
 
     stage: ClassVar[str] = "synthesize"
     TRAINABLE: ClassVar[tuple[str, ...]] = ("validated", "out_of_band")

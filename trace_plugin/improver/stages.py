@@ -1,7 +1,7 @@
 """The stages of a cycle that build a candidate: mine, synthesize, screen, train, route; and deploy.
 
 Each takes the improver (its store, config and gateway) and typed inputs, and returns the
-typed output (:mod:`trace_plugin.improver.outputs`) its job stores. Every stage is
+typed output (``trace_plugin.improver.outputs``) its job stores. Every stage is
 idempotent when re-run after a kill: what it writes is keyed by ids derived from the cycle.
 """
 
@@ -55,7 +55,7 @@ def mine(improver: Improver) -> Mined:
     the selected capabilities to try, best first, those no live expert covers before those
     one does: each cycle looks for the improved agent's next deficit, not for the failures an
     earlier cycle already answered. The cycle trains up to ``max_experts`` of them; one whose
-    environment cannot train, or that the live agent already solves (:func:`screen`), takes
+    environment cannot train, or that the live agent already solves (``screen``), takes
     no place."""
     live = improver.live()
     since = live.updated_at if live else None  # when it went live

@@ -10,11 +10,11 @@ ones. Three stages:
 2. Labeling: N isolated runs, each a fresh set of conversations over all episodes in
    batches, label every (episode, capability) pair NA, PRESENT or LACKING. The labeler
    does not see outcomes, so a label cannot simply echo the grade.
-3. Selection: the offline miner's rule (:func:`select`) over the N runs.
+3. Selection: the offline miner's rule (``select``) over the N runs.
 
 Every answer is parsed and validated locally, whatever the provider promises. An invalid
 answer (not JSON, the wrong shape, an unknown capability, episode or label) is sent back
-with what was wrong, up to ``retries`` times, then dropped and counted in :class:`Stats`:
+with what was wrong, up to ``retries`` times, then dropped and counted in ``Stats``:
 a bad answer costs its batch, never the run.
 """
 

@@ -1,7 +1,7 @@
 """Generic capability detectors: NA / PRESENT / LACKING per episode, from its trajectory alone.
 
 Detectors know nothing about a particular environment. They read an episode compacted
-into a :class:`Trajectory` (the conversation in OpenAI format, tool calls paired with
+into a ``Trajectory`` (the conversation in OpenAI format, tool calls paired with
 their results) and infer each tool's role, read or write, from its name; a role map
 overrides the guess. What they look for:
 
@@ -18,7 +18,7 @@ overrides the guess. What they look for:
 - communicating_facts: the final message reports what the tools returned;
 - termination: the episode ends with a message to the user, without looping.
 
-Each is bound to its kind, with the kind's description, in :mod:`trace_plugin.mining.kinds`.
+Each is bound to its kind, with the kind's description, in ``trace_plugin.mining.kinds``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The capability kinds, each defined once: its name, detector, description, and how an
 environment aimed at it is synthesized (a template family and a hint).
 
-Adding a kind is one entry in :data:`KINDS`. The registry lives in mining, below the
+Adding a kind is one entry in ``KINDS``. The registry lives in mining, below the
 environments that synthesize from it: the miner needs each kind's detector and
 description, the synthesizer its family and hint. A kind names its family rather than
 holding the function, since the families are synthesis code that works on a target's
-interface; ``trace_plugin.environments.synthesis.FAMILIES`` maps every :data:`FamilyName`
+interface; ``trace_plugin.environments.synthesis.FAMILIES`` maps every ``FamilyName``
 to its function.
 """
 

@@ -30,7 +30,7 @@ MAX_EXAMPLES = 5
 
 
 def outcome(episode: Episode) -> bool | None:
-    """Success, failure, or unknown (None), by the one rule in :mod:`trace_plugin.records.outcome`."""
+    """Success, failure, or unknown (None), by the one rule in ``trace_plugin.records.outcome``."""
     return succeeded(episode.label, episode.reward)
 
 

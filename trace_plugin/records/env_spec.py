@@ -1,7 +1,7 @@
 """``EnvSpec``: a training environment as declarative data.
 
 A synthesized environment is never code. It is this pydantic model (stored as JSON in the
-database, versioned) which :class:`~trace_plugin.environments.interpreter.SpecEnv`
+database, versioned) which ``SpecEnv``
 interprets. Every part comes from a fixed vocabulary:
 
 - **tables** of typed columns, filled by seeded generators (id patterns, value pools,
@@ -15,7 +15,7 @@ interprets. Every part comes from a fixed vocabulary:
   values with partial credit, order, forbidden calls, final state, facts communicated);
 - an optional **hint** and **difficulty** knobs.
 
-:func:`check_spec` rejects anything the interpreter could not run faithfully, with the
+``check_spec`` rejects anything the interpreter could not run faithfully, with the
 reason: unknown behaviours, references to missing tools, tables or columns, templates
 whose slots cannot be satisfied, oversized state.
 """

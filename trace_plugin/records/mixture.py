@@ -5,12 +5,12 @@ conversation. The served model is W' = W + Σ_c α_c B_c A_c in every adapted la
 empty mixture is the base model, and one adapter at weight 1 is today's single expert.
 The learned gate weighs the experts per layer instead, with a slot for the base model:
 W'_l = W_l + Σ_c α_{l,c} B_c A_c, where each layer's α and base share sum to 1
-(:meth:`Mixture.per_layer`).
+(``Mixture.per_layer``).
 
-Weights are quantized to a grid (:data:`GRID`) when a mixture is made, so that nearby
-decisions share one composed adapter, its name (:meth:`Mixture.served_name`) is
+Weights are quantized to a grid (``GRID``) when a mixture is made, so that nearby
+decisions share one composed adapter, its name (``Mixture.served_name``) is
 deterministic, and what is recorded is exactly what was served. A mixture's wire form
-(:meth:`Mixture.label`) is ``refunds@3:0.6,lookup@1:0.4``; a single adapter's is its name;
+(``Mixture.label``) is ``refunds@3:0.6,lookup@1:0.4``; a single adapter's is its name;
 a per-layer mixture's is its mean weights and a digest of the layers,
 ``refunds@3:0.55,lookup@1:0.2;layers=3f0c9a1b2e4d``.
 Imports no torch: routers, the gateway and the records share it.
@@ -87,7 +87,7 @@ class Mixture:
 
     @classmethod
     def parse(cls, label: str | None) -> Mixture:
-        """The mixture a :meth:`label` names, normalized as :meth:`of` makes every mixture
+        """The mixture a ``label`` names, normalized as ``of`` makes every mixture
         (a recorded label comes back unchanged; a client's ``a:3,b:1`` is ``a:0.75,b:0.25``).
         A per-layer mixture's label names it but does not hold it: only its router can."""
         if not label:

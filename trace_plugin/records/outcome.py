@@ -1,7 +1,7 @@
 """The success rule, once: an episode's label decides; without one, a reward of at least 1.
 
-Python code asks :func:`outcome_of` (or :func:`succeeded`); SQL asks the clauses that
-:func:`outcome_clauses` builds beside it from the same constant, so a query and a loop over
+Python code asks ``outcome_of`` (or ``succeeded``); SQL asks the clauses that
+``outcome_clauses`` builds beside it from the same constant, so a query and a loop over
 episodes can never disagree about what counts as a success.
 """
 
@@ -63,7 +63,7 @@ class OutcomeClauses:
 
 
 def outcome_clauses(label: Any, reward: Any) -> OutcomeClauses:
-    """:func:`outcome_of` as SQL, over a table's ``label`` and ``reward`` columns."""
+    """``outcome_of`` as SQL, over a table's ``label`` and ``reward`` columns."""
     return OutcomeClauses(
         success=or_(label == SUCCESS_LABEL, and_(label.is_(None), reward >= SUCCESS_REWARD)),
         failure=or_(

@@ -1,7 +1,7 @@
 """Router specs: the JSON that describes a router, as a versioned pydantic model.
 
 Deployments store a spec, the gateway's admin API accepts one, the improver builds them
-and ``training.gate`` fits the weights of one; :func:`~trace_plugin.gateway.routing.router_from_spec`
+and ``training.gate`` fits the weights of one; ``router_from_spec``
 turns a spec into a router. A spec is one of five kinds, told apart by ``kind``:
 
 - ``{"kind": "static", "adapter": NAME | null}``;
@@ -17,7 +17,7 @@ turns a spec into a router. A spec is one of five kinds, told apart by ``kind``:
 - ``{"kind": "canary", "share", "main": SPEC, "candidate": SPEC}``: a deployment on
   trial, ``share`` of the conversations routed by ``candidate`` and the rest by ``main``.
 
-A spec's digest (:func:`router_version`) is stamped on every episode the router served and
+A spec's digest (``router_version``) is stamped on every episode the router served and
 kept with every deployment, so a model serializes to exactly the JSON these dicts always had:
 format 1 writes no version key. A later format will write ``format_version``; a spec
 without one is format 1. Imports no torch: the gateway, the improver and training share it.

@@ -1,7 +1,7 @@
 """The trajectory model: what every capture source records and every later stage reads.
 
-An :class:`Episode` is one run of an agent on one task. Its :class:`Step` list is the
-ordered sequence of LLM calls, tool calls and graph-node executions. :class:`Feedback`
+An ``Episode`` is one run of an agent on one task. Its ``Step`` list is the
+ordered sequence of LLM calls, tool calls and graph-node executions. ``Feedback``
 is a reward or label that arrives after the run (a user rating, a delayed check).
 
 Capture sources build these records and hand them to the recorder; the store returns
@@ -40,7 +40,7 @@ def new_id() -> str:
 
 
 def new_episode_id() -> str:
-    """A fresh episode id: 32 hex digits like :func:`new_id`'s, but time-ordered
+    """A fresh episode id: 32 hex digits like ``new_id``'s, but time-ordered
     (milliseconds since the epoch, then 80 random bits, as in UUIDv7).
 
     Every capture source mints one per run, and the store indexes steps and links by it:

@@ -125,7 +125,7 @@ _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 @functools.cache
 def _fitter(length: int | None) -> Callable[[Any], str | None]:
-    """:func:`fit_string` for one column, with the common case (short, clean ASCII) inline."""
+    """``fit_string`` for one column, with the common case (short, clean ASCII) inline."""
 
     def fit(value: Any) -> str | None:
         if value is None or (
@@ -142,7 +142,7 @@ def _fitter(length: int | None) -> Callable[[Any], str | None]:
 
 @functools.cache
 def _column_fitter(length: int | None) -> Callable[[Sequence[Any]], Sequence[str | None]]:
-    """:func:`fit_string` over a whole column: one pass of C-level checks when every value
+    """``fit_string`` over a whole column: one pass of C-level checks when every value
     is a short, clean ASCII ``str`` (almost always), else value by value."""
     fit = _fitter(length)
 
@@ -175,7 +175,7 @@ class Store:
 
     ``write`` takes capture records in the order they happened and stores them in one
     transaction; the recorder calls it from its background thread. Queries return the
-    dataclasses of :mod:`trace_plugin.records.trajectory`.
+    dataclasses of ``trace_plugin.records.trajectory``.
     """
 
     def __init__(self, url: str | None = None, *, engine: Engine | None = None) -> None:
@@ -280,7 +280,7 @@ class Store:
         return new
 
     def _hash_of(self, schema: dict[str, Any] | str) -> str:
-        """:func:`tool_hash`, cached by content: capture sources build a new dict per call.
+        """``tool_hash``, cached by content: capture sources build a new dict per call.
 
         The key is the schema's JSON text (the recorder serializes schemas at submit) or
         orjson's sorted dump of a dict: bytes, so the cache holds nothing the garbage
@@ -331,7 +331,7 @@ class Store:
         """A column's values as the driver takes them. JSON columns take our JSON text
         (psycopg sends strings untyped, so it lands in jsonb as is); SQLite datetimes take
         SQLAlchemy's storage format, naive UTC; strings are fitted to their column
-        (:func:`fit_string`)."""
+        (``fit_string``)."""
         if isinstance(column_type, t.JSON):
             return _json_column
         if isinstance(column_type, t.DateTime) and self.dialect == "sqlite":
@@ -366,7 +366,7 @@ class Store:
 
     def get_episode(self, episode_id: str) -> Episode | None:
         """One episode with its steps in order, each LLM step's tools as schemas (as
-        :meth:`iter_episodes` gives them), or None."""
+        ``iter_episodes`` gives them), or None."""
         episode_id = _fit(t.episodes.c.id, episode_id)
         with self._read_engine.connect() as conn:
             row = conn.execute(select(t.episodes).where(t.episodes.c.id == episode_id)).mappings()
@@ -675,7 +675,7 @@ class Store:
     def stats(self) -> list[AgentStats]:
         """Per agent: episodes, how many have an outcome, successes and mean reward.
 
-        Success is the one rule of :mod:`trace_plugin.records.outcome`, as SQL.
+        Success is the one rule of ``trace_plugin.records.outcome``, as SQL.
         """
         e = t.episodes.c
         outcome = outcome_clauses(e.label, e.reward)

@@ -1,6 +1,6 @@
 """The admin API: vLLM's runtime LoRA endpoints, and ours for the router (vLLM has none).
 
-Each route checks its caller (:meth:`GatewayState.check_admin`) itself rather than as a
+Each route checks its caller (``GatewayState.check_admin``) itself rather than as a
 dependency, so that a malformed request is refused (400) before its caller is checked."""
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ async def chat_chunks(
     opening: str,
     t0: float,
 ) -> AsyncIterator[str]:
-    """The reply's chunks as they are generated (:class:`ReplyStream`); once the stream
+    """The reply's chunks as they are generated (``ReplyStream``); once the stream
     ends, the call is recorded as a non-streamed one would be, or as cancelled if the
     client left before the end."""
     backend = gateway.backend
