@@ -49,11 +49,13 @@ from improvement import (  # noqa: E402
 from trace_plugin.environments.base import RewardBreakdown, Task, ToolCall, task_keys  # noqa: E402
 from trace_plugin.environments.interpreter import SpecEnv, worked_example  # noqa: E402
 from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv  # noqa: E402
-from trace_plugin.gateway.adapters import split_name  # noqa: E402
 from trace_plugin.improver import TRAINING_SEEDS, router_spec  # noqa: E402
 from trace_plugin.improver.evaluation import lacking_transfer  # noqa: E402
 from trace_plugin.records.env_spec import EnvSpec  # noqa: E402
-from trace_plugin.records.expert import Expert  # noqa: E402
+from trace_plugin.records.expert import (
+    Expert,  # noqa: E402
+    split_name,  # noqa: E402
+)
 from trace_plugin.records.mixture import LAYERS, Mixture  # noqa: E402
 
 

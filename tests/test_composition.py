@@ -12,9 +12,9 @@ import pytest
 from chat import chat as served
 
 from trace_plugin import Recorder
-from trace_plugin.gateway.adapters import AdapterError
+from trace_plugin.adapter_files import AdapterError, read_safetensors, write_safetensors
 from trace_plugin.gateway.app import GatewayConfig, create_app
-from trace_plugin.gateway.composition import compose_adapter, read_safetensors, write_safetensors
+from trace_plugin.gateway.composition import compose_adapter
 from trace_plugin.gateway.embedded import EmbeddedBackend
 from trace_plugin.gateway.server import start_in_thread
 from trace_plugin.records.mixture import Mixture

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from trace_plugin.adapter_files import file_sha256
 from trace_plugin.environments.retail import POLICY, TOOLS
 from trace_plugin.environments.synthesis import synthesize
 from training.config import ExpertTrainingConfig
 from training.executors import LocalExecutor, RayExecutor, TrainingJob
-from training.experts import file_sha256
 
 pytestmark = pytest.mark.slow
 

@@ -296,10 +296,10 @@ async def test_the_classifier_retrieves_from_reference_plays_and_routes_a_mixtur
     request of one environment retrieves that capability first, and the candidate router
     serves what it decides."""
 
-    from trace_plugin.gateway.adapters import split_name
     from trace_plugin.gateway.app import GatewayConfig, create_app
     from trace_plugin.gateway.routing import router_from_spec
     from trace_plugin.gateway.server import start_in_thread
+    from trace_plugin.records.expert import split_name
     from trace_plugin.records.mixture import Mixture
 
     store = Store(sqlite_url)

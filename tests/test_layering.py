@@ -29,6 +29,7 @@ LAYERS: list[set[str]] = [  # lowest first
         "trace_plugin.generation",
         "trace_plugin.stage_results",
     },
+    {"trace_plugin.adapter_files"},  # an adapter's files: names, checks, digests
     {"trace_plugin.recorder"},
     {"trace_plugin.tracer"},
     {"trace_plugin.capture", "trace_plugin.conversations"},

@@ -15,6 +15,7 @@ import pytest
 from envs import EchoEnv, ScoredEchoEnv
 from transformers import AutoTokenizer, TrainerCallback
 
+from trace_plugin.adapter_files import WEIGHTS, file_sha256
 from trace_plugin.chat_template import render
 from trace_plugin.environments.base import RewardBreakdown, Task
 from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
@@ -27,10 +28,9 @@ from training.experts import (
     ExpertTrainer,
     RolloutFunction,
     evaluate,
-    file_sha256,
     weights_sha256,
 )
-from training.lora import ADAPTER_WEIGHTS, is_noop, random_adapter
+from training.lora import is_noop, random_adapter
 
 
 @pytest.fixture(scope="module")
@@ -513,7 +513,7 @@ def test_tiny_run_produces_a_loadable_adapter_with_its_hash(retail_expert):
     assert [log["step"] for log in result.logs] == [1.0, 2.0]
     unhinted = [log["episodes/unhinted_reward"] for log in result.logs]  # NaN: a step without one
     assert result.unhinted_curve == [None if math.isnan(v) else v for v in unhinted]
-    assert file_sha256(result.adapter_dir / ADAPTER_WEIGHTS) == result.adapter_sha256
+    assert file_sha256(result.adapter_dir / WEIGHTS) == result.adapter_sha256
     assert result.base_model == resolve_model() and result.base_model_sha256 == weights_sha256(
         resolve_model()
     )
@@ -524,7 +524,7 @@ def test_tiny_run_produces_a_loadable_adapter_with_its_hash(retail_expert):
     assert any("q_proj.lora_A" in name for name, _ in model.named_parameters())
     assert not list(result.adapter_dir.parent.glob(".*partial"))  # the work dir is gone
     # The snapshot after step 1, taken before the crash, survived the resumed run.
-    assert result.snapshots == [2] and (result.snapshot(2) / ADAPTER_WEIGHTS).is_file()
+    assert result.snapshots == [2] and (result.snapshot(2) / WEIGHTS).is_file()
     assert PeftModel.from_pretrained(load_model(result.base_model)[0], str(result.snapshot(2))).peft_config
     with pytest.raises(KeyError):
         result.snapshot(4)

@@ -297,8 +297,9 @@ def test_a_killed_warm_start_resumes_and_grpo_continues_from_its_adapter(tmp_pat
     call), so no gradient reaches it and the expert is the warm start exactly."""
     from safetensors.torch import load_file
 
+    from trace_plugin.adapter_files import WEIGHTS
     from training.experts import ExpertTrainer
-    from training.lora import ADAPTER_WEIGHTS, is_noop
+    from training.lora import is_noop
 
     config = ExpertTrainingConfig(
         output_dir=str(tmp_path / "expert"),
@@ -325,8 +326,8 @@ def test_a_killed_warm_start_resumes_and_grpo_continues_from_its_adapter(tmp_pat
     assert warm_start["resumed_from_step"] == 1 and warm_start["plays"] == 4
     assert expert.reference_plays == 4 and len(expert.warm_start_losses) == 2
     assert expert.logs[0]["dynamic_sampling/dropped_groups"] == 1
-    warm = load_file(expert.adapter_dir / "warm_start" / ADAPTER_WEIGHTS)
-    final = load_file(expert.adapter_dir / ADAPTER_WEIGHTS)
+    warm = load_file(expert.adapter_dir / "warm_start" / WEIGHTS)
+    final = load_file(expert.adapter_dir / WEIGHTS)
     assert not is_noop(expert.adapter_dir) and warm.keys() == final.keys()
     assert all((warm[k] == final[k]).all() for k in warm)
 

@@ -57,13 +57,13 @@ import torch
 from rich.console import Console
 from transformers import PrinterCallback, TrainerCallback
 
+from trace_plugin.adapter_files import file_sha256, weights_digest
 from trace_plugin.environments.base import Environment, Task, task_keys, unseen_seeds
 from trace_plugin.generation import folded, until_eos
 from trace_plugin.model_files import load_model, resolve_model
 from trace_plugin.records.outcome import reward_succeeds
 from training.config import PLACE_FIELDS, ExpertTrainingConfig
 from training.episodes import EpisodePlayer, Generate, HintValue, Rollout, hf_generate
-from training.lora import ADAPTER_WEIGHTS
 from training.progress import StepProgress
 from training.recompute import ReplayCache, recomputed
 from training.vllm_rollouts import server_policy
@@ -655,7 +655,7 @@ class ExpertTrainer:
         stopped = trainer.state.global_step < self.config.steps
         result = ExpertResult(
             adapter_dir=self.final_dir,
-            adapter_sha256=file_sha256(staging / ADAPTER_WEIGHTS),
+            adapter_sha256=weights_digest(staging),
             reward_curve=[entry["episodes/reward"] for entry in logs],
             unhinted_curve=[_number(entry.get("episodes/unhinted_reward")) for entry in logs],
             config=self.config.to_dict(),
@@ -799,14 +799,6 @@ def evaluate(
 def _number(value: float | None) -> float | None:
     """A logged mean as JSON keeps it: NaN (no rollout to average) is None."""
     return None if value is None or math.isnan(value) else value
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def weights_sha256(model_dir: Path) -> str:

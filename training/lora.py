@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's file name for an adapter's tensors
+from trace_plugin.adapter_files import WEIGHTS
 
 
 def random_adapter(model_dir: Path, out: Path, *, seed: int, rank: int = 8, scale: float = 20.0) -> Path:
@@ -39,7 +39,7 @@ def is_noop(adapter_dir: Path) -> bool:
     """
     from safetensors.torch import load_file
 
-    weights = load_file(Path(adapter_dir) / ADAPTER_WEIGHTS)
+    weights = load_file(Path(adapter_dir) / WEIGHTS)
     if any("lora_A" not in name and "lora_B" not in name for name in weights):
         return False  # other trained tensors (modules_to_save, biases) change the model
     return all(not tensor.any() for name, tensor in weights.items() if "lora_B" in name)

@@ -26,7 +26,6 @@ then is its folder deleted.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import re
@@ -36,31 +35,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trace_plugin.errors import TracePluginError
+from trace_plugin.adapter_files import (
+    WEIGHTS,
+    AdapterError,
+    check_complete,
+    check_weights,
+    files_digest,
+)
 from trace_plugin.gateway.backend import Backend, BackendError, SamplingParams
-from trace_plugin.model_files import safetensors_header
+from trace_plugin.gateway.composition import compose_adapter
+from trace_plugin.records.expert import split_name
 from trace_plugin.records.mixture import Mixture
 
-WEIGHTS = "adapter_model.safetensors"
 MIXTURES_DIR = ".mixtures"  # under the adapter root: composed adapters, rebuilt on demand
 MAX_MIXTURE_BYTES = 512 * 2**20  # composed adapters kept loaded, by their bytes on disk
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a tool name's characters: no NUL, path or ':'
 
 log = logging.getLogger("trace_plugin.gateway")
-
-
-class AdapterError(TracePluginError, ValueError):
-    """A request about adapters that cannot be honoured; carries an HTTP status."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def split_name(full: str) -> tuple[str, str | None]:
-    """``"refunds@3"`` → ``("refunds", "3")``; an unversioned name has version None."""
-    name, sep, version = full.partition("@")
-    return name, (version if sep else None)
 
 
 def validate_adapter_dir(path: str | Path, root: Path, *, base_model: set[str], max_rank: int) -> Path:
@@ -102,7 +93,7 @@ def _validate_adapter_dir(path: str | Path, root: Path, *, base_model: set[str],
     if not any((resolved / f).is_file() for f in (WEIGHTS, "adapter_model.bin")):
         raise AdapterError(f"{path} has no adapter weights")
     if (resolved / WEIGHTS).is_file():
-        _check_complete(resolved / WEIGHTS, path)
+        check_complete(resolved / WEIGHTS, path)
     base = str(config.get("base_model_name_or_path") or "")
     if base and base not in base_model and Path(base).name not in base_model:
         raise AdapterError(f"adapter {path} was trained on {base!r}, not on {sorted(base_model)[0]!r}")
@@ -110,35 +101,6 @@ def _validate_adapter_dir(path: str | Path, root: Path, *, base_model: set[str],
     if not isinstance(rank, int) or not 0 < rank <= max_rank:
         raise AdapterError(f"adapter rank {rank!r} is outside 1..{max_rank}")
     return resolved
-
-
-def _check_complete(weights: Path, path: str | Path) -> None:
-    """Refuse a safetensors file shorter than its header says: an adapter still being written
-    (or cut off) would otherwise fail inside the server with a less helpful message."""
-    try:
-        with weights.open("rb") as f:
-            size, header = safetensors_header(f)
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    except (ValueError, TypeError, KeyError, IndexError) as exc:
-        raise AdapterError(f"{path}/{WEIGHTS} is not a safetensors file ({exc})") from exc
-    have, want = weights.stat().st_size, 8 + size + end
-    if have < want:
-        raise AdapterError(
-            f"{path}/{WEIGHTS} is incomplete ({have} of {want} bytes): still being written, or cut off"
-        )
-
-
-def adapter_digest(path: Path) -> str:
-    """A digest of what a backend reads from an adapter directory: its config and weights."""
-    digest = hashlib.sha256()
-    for name in ("adapter_config.json", WEIGHTS, "adapter_model.bin"):
-        file = path / name
-        if file.is_file():
-            digest.update(name.encode() + b"\0")
-            with file.open("rb") as f:
-                while chunk := f.read(2**20):
-                    digest.update(chunk)
-    return digest.hexdigest()
 
 
 def check_adapter_name(full: str, reserved: frozenset[str] = frozenset()) -> None:
@@ -255,8 +217,6 @@ class AdapterRegistry:
                     self.release(full)
 
     async def _compose(self, served: str, mixture: Mixture) -> _Version:
-        from trace_plugin.gateway.composition import check_weights, compose_adapter
-
         parts = [(self._versions[name].path, weight) for name, weight in mixture.parts()]
         rank = sum(_rank(path) for path, _ in parts)  # the composition's: its parts' ranks side by side
         if rank > self.backend.max_lora_rank:
@@ -312,8 +272,6 @@ class AdapterRegistry:
         """Load ``name@version`` from ``path``, verify it, make it live, retire the old one.
         Weights that are NaN or Inf, or for modules the base model lacks, are refused before
         the backend sees them: the live version keeps serving."""
-        from trace_plugin.gateway.composition import check_weights
-
         check_adapter_name(full, self.reserved)
         name, version = split_name(full) if self.hot_swap else (full, None)
         base_ids = {self.backend.model_id, str(getattr(self.backend, "model_dir", self.backend.model_id))}
@@ -324,7 +282,7 @@ class AdapterRegistry:
         async with self._lock:
             if full in self._versions:
                 raise AdapterError(f"adapter {full!r} is already loaded")
-            digest = await asyncio.to_thread(adapter_digest, resolved)
+            digest = await asyncio.to_thread(files_digest, resolved)
             if self._digests.get(full, digest) != digest:
                 raise AdapterError(
                     f"adapter {full!r} was served from other files before: vLLM's prefix cache keys "
@@ -360,7 +318,7 @@ class AdapterRegistry:
             current = self.live.get(name)
             if previous not in self._versions:
                 path = self._paths[previous]
-                if await asyncio.to_thread(adapter_digest, path) != self._digests[previous]:
+                if await asyncio.to_thread(files_digest, path) != self._digests[previous]:
                     history.append(previous)
                     raise AdapterError(
                         f"cannot roll back to {previous!r}: its files at {path} changed since it was "

@@ -19,18 +19,15 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from trace_plugin.gateway.adapters import WEIGHTS, AdapterError
-from trace_plugin.model_files import safetensors_header
+from trace_plugin.adapter_files import CONFIG, WEIGHTS, AdapterError, read_safetensors, write_safetensors
 
-CONFIG = "adapter_config.json"
 _A, _B = ".lora_A.weight", ".lora_B.weight"
-_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
 _LAYER = re.compile(r"\.layers\.(\d+)\.")  # a decoder layer's index in a module's name
 
 Weight = float | Sequence[float]  # one weight, or one per decoder layer
@@ -121,71 +118,3 @@ def _lora(path: Path) -> tuple[dict[str, Any], float, dict[str, tuple[np.ndarray
     alpha = float(config.get("lora_alpha", config["r"]))
     scaling = alpha / (config["r"] ** 0.5 if config.get("use_rslora") else config["r"])
     return config, scaling, modules
-
-
-PEFT_PREFIX = "base_model.model."  # PEFT's name for the wrapped model, before each module's path
-
-
-def check_weights(path: Path, modules: Collection[str] | None = None) -> None:
-    """Refuse an adapter that would load and then serve nothing useful: NaN or Inf weights
-    (it answers ``""``), or LoRA weights for modules the base model lacks (``modules``: its
-    module names; a layer 999, a module of another architecture), which a loader skips in
-    silence. Only safetensors weights are read."""
-    if not (path / WEIGHTS).is_file():
-        return
-    try:
-        tensors = read_safetensors(path / WEIGHTS)
-    except (OSError, ValueError) as exc:
-        raise AdapterError(f"{path}: {exc}") from exc
-    broken = sorted(name for name, array in tensors.items() if not np.isfinite(array).all())
-    if broken:
-        raise AdapterError(f"adapter {path.name} holds NaN or Inf weights: {', '.join(broken[:3])}", 422)
-    if modules is not None:
-        lora = {n.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for n in tensors if ".lora_" in n}
-        unknown = sorted(lora - set(modules))
-        if unknown:
-            raise AdapterError(
-                f"adapter {path.name} has weights for modules the base model lacks: {', '.join(unknown[:3])}",
-                422,
-            )
-
-
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor in a safetensors file, as numpy arrays (bf16 widened to float32)."""
-    with open(path, "rb") as f:
-        try:
-            _, header = safetensors_header(f)
-        except ValueError as exc:
-            raise ValueError(f"{path.name}: {exc}") from exc
-        data = f.read()
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = info["data_offsets"]
-        raw = data[start:end]
-        if info["dtype"] == "BF16":  # the upper half of a float32
-            array = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
-        elif info["dtype"] in _DTYPES:
-            array = np.frombuffer(raw, _DTYPES[info["dtype"]])
-        else:
-            raise ValueError(f"{path.name}: tensor {name} has dtype {info['dtype']}")
-        tensors[name] = array.reshape(info["shape"])
-    return tensors
-
-
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """Float32 tensors as a safetensors file."""
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, array in tensors.items():
-        size = array.size * 4
-        header[name] = {"dtype": "F32", "shape": list(array.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(encoded).to_bytes(8, "little"))
-        f.write(encoded)
-        for array in tensors.values():
-            f.write(np.ascontiguousarray(array, dtype="<f4").tobytes())

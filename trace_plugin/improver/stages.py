@@ -12,13 +12,12 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trace_plugin.adapter_files import AdapterError, check_weights
 from trace_plugin.chat_template import gate_input
 from trace_plugin.environments.base import task_keys
 from trace_plugin.environments.catalog import chat_player, env_factory, prepare_environment
 from trace_plugin.environments.interpreter import SpecEnv, reference_play, turn_budget
 from trace_plugin.environments.validation import Band
-from trace_plugin.gateway.adapters import AdapterError, split_name
-from trace_plugin.gateway.composition import check_weights
 from trace_plugin.improver.config import (
     CALIBRATION_SEEDS_START,
     CORPUS_SEEDS,
@@ -33,7 +32,7 @@ from trace_plugin.improver.outputs import Deployed, GateFit, Mined, Routing, Scr
 from trace_plugin.mining.miner import OfflineMiner
 from trace_plugin.records.deployment import Deployment
 from trace_plugin.records.env_spec import EnvSpec, SpecError
-from trace_plugin.records.expert import Expert
+from trace_plugin.records.expert import Expert, split_name
 from trace_plugin.records.outcome import reward_succeeds
 from trace_plugin.records.router_spec import (
     CanarySpec,

@@ -58,5 +58,12 @@ class Expert:
 
     @property
     def adapter_name(self) -> str:
-        """The name it is served under: the capability, versioned by the record's id."""
+        """The name it is served under: the capability, versioned by the record's id
+        (``name@version``, which ``split_name`` parses)."""
         return f"{self.capability}@{self.id[:8]}"
+
+
+def split_name(full: str) -> tuple[str, str | None]:
+    """``"refunds@3"`` → ``("refunds", "3")``; an unversioned name has version None."""
+    name, sep, version = full.partition("@")
+    return name, (version if sep else None)
