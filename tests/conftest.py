@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -122,3 +124,54 @@ def real_vllm(tmp_path_factory):
     settings = VLLMSettings(dtype="float32", kv_cache_gib=1)  # short requests: 1 GiB of KV cache holds them
     with LocalVLLM(resolve_model(None), log_dir=tmp_path_factory.mktemp("vllm"), settings=settings) as vllm:
         yield vllm
+
+
+# -- fixtures more than one module uses ------------------------------------------------
+
+
+def _chromium() -> tuple[str, str] | None:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    return (browser, driver) if browser and driver else None
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    found = _chromium()
+    try:
+        from selenium import webdriver
+    except ImportError:
+        found = None
+    if found is None:
+        message = "chromium, chromedriver or selenium missing: DASHBOARD BROWSER TESTS NOT RUN"
+        if os.environ.get("TRACE_PLUGIN_REQUIRE_CHROMIUM") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = found[0]
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1280,1000"):  # fmt: skip
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=found[1]))
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+async def planted(local_recorder):
+    """A store holding an agent that invents ids for its writes half the time, mined."""
+    from support.plays import scripted
+
+    from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
+    from trace_plugin.environments.runner import LangGraphAgent, Runner
+    from trace_plugin.mining.miner import OfflineMiner
+
+    for invent in (False, True):
+        agent = LangGraphAgent(lambda env, invent=invent: scripted(env, local_recorder, invent_ids=invent))
+        await Runner(RetailEnv, agent, recorder=local_recorder, concurrency=8).run(list(TRAIN_SEEDS)[:24])
+    assert local_recorder.flush(20)
+    OfflineMiner(local_recorder.store).mine("planted")
+    return local_recorder.store

@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from test_composition import _lora
-from test_gateway_hostile import ScriptedBackend
+from support.backends import ScriptedBackend, lora_dir
 
 from trace_plugin.gateway.adapters import MIXTURES_DIR
 from trace_plugin.gateway.app import GatewayConfig, create_app
@@ -63,7 +62,7 @@ def tokenizer() -> Any:
 def gateway(tokenizer: Any, root: Path, **settings: Any) -> tuple[TestClient, Serving]:
     for name in ("alpha", "beta", "gamma"):
         if not (root / name).exists():
-            _lora(root / name, 2, {"m.q": PAIR})
+            lora_dir(root / name, 2, {"m.q": PAIR})
     backend = Serving(tokenizer, root)
     config = GatewayConfig(
         adapter_root=root,
@@ -114,15 +113,15 @@ def test_a_name_is_never_served_from_other_files_than_the_first_time(tokenizer, 
         assert load(client, "alpha@1", "alpha").status_code == 200
         assert load(client, "alpha@2", "beta").status_code == 200  # alpha@1 retires once drained
         _settled(lambda: [n for n in backend.loaded if n == "alpha@1"], 0)
-        _lora(tmp_path / "other", 2, {"m.q": (PAIR[0], 3 * PAIR[1])})
+        lora_dir(tmp_path / "other", 2, {"m.q": (PAIR[0], 3 * PAIR[1])})
         again = load(client, "alpha@1", "other")  # the same name, other files
         assert again.status_code == 409 and "new version" in again.json()["error"]["message"]
-        _lora(tmp_path / "copy", 2, {"m.q": PAIR})  # alpha's very bytes, elsewhere: the same adapter
+        lora_dir(tmp_path / "copy", 2, {"m.q": PAIR})  # alpha's very bytes, elsewhere: the same adapter
         assert load(client, "alpha@1", "copy").status_code == 200
         assert load(client, "alpha@3", "beta").status_code == 200
         _settled(lambda: [n for n in backend.loaded if n == "alpha@1"], 0)
         # alpha@1's files change on disk: rolling back to it is refused, alpha@3 stays live.
-        _lora(tmp_path / "changed", 2, {"m.q": (PAIR[0], 2 * PAIR[1])})
+        lora_dir(tmp_path / "changed", 2, {"m.q": (PAIR[0], 2 * PAIR[1])})
         weights = "adapter_model.safetensors"
         (tmp_path / "changed" / weights).replace(tmp_path / "copy" / weights)
         refused = client.post("/v1/rollback_lora_adapter", json={"lora_name": "alpha"}, headers=TOKEN)
@@ -136,7 +135,7 @@ def test_a_half_written_adapter_is_refused_before_the_backend_reads_it(tokenizer
     weights = tmp_path / "alpha" / "adapter_model.safetensors"
     with client:
         assert load(client, "alpha@1", "alpha").status_code == 200
-        _lora(tmp_path / "half", 2, {"m.q": PAIR})
+        lora_dir(tmp_path / "half", 2, {"m.q": PAIR})
         half = tmp_path / "half" / "adapter_model.safetensors"
         half.write_bytes(weights.read_bytes()[:-5])
         refused = load(client, "alpha@2", "half")
@@ -209,13 +208,13 @@ def _settled(probe: Any, expected: int) -> Any:
 
 
 async def test_a_mixture_past_the_servers_lora_rank_is_a_clear_error_before_anything_is_composed(tmp_path):
-    from test_composition import Recording
+    from support.backends import Recording
 
     from trace_plugin.gateway.adapters import AdapterError, AdapterRegistry
     from trace_plugin.records.mixture import Mixture
 
     for name in ("a", "b", "c"):
-        _lora(tmp_path / name, 2, {"m.q": PAIR})
+        lora_dir(tmp_path / name, 2, {"m.q": PAIR})
     backend = Recording()
     backend.max_lora_rank = 4  # vLLM's --max-lora-rank: two rank-2 adapters fill it
     registry = AdapterRegistry(backend, tmp_path)
@@ -236,19 +235,19 @@ async def test_a_composed_mixture_is_checked_before_the_backend_loads_it(tmp_pat
     loaded adapter is, and nothing of it reaches the backend."""
     import shutil
 
-    from test_composition import Recording
+    from support.backends import Recording
 
     from trace_plugin.gateway.adapters import AdapterError, AdapterRegistry
     from trace_plugin.records.mixture import Mixture
 
     for name in ("a", "b"):
-        _lora(tmp_path / name, 2, {"m.q": PAIR})
+        lora_dir(tmp_path / name, 2, {"m.q": PAIR})
     backend = Recording()
     registry = AdapterRegistry(backend, tmp_path)
     for name in ("a", "b"):
         await registry.load(f"{name}@1", name)
     shutil.rmtree(tmp_path / "b")  # b@1's files, changed under the server
-    _lora(tmp_path / "b", 2, {"m.q": (PAIR[0], np.full((4, 2), np.nan, np.float32))})
+    lora_dir(tmp_path / "b", 2, {"m.q": (PAIR[0], np.full((4, 2), np.nan, np.float32))})
     with pytest.raises(AdapterError, match="NaN or Inf") as refused:
         await registry.acquire_mixture(Mixture.of({"a": 0.5, "b": 0.5}))
     assert refused.value.status == 422

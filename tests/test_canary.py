@@ -10,7 +10,7 @@ from datetime import timedelta
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from test_gateway_hostile import ScriptedBackend
+from support.backends import ScriptedBackend
 
 from trace_plugin import Recorder, Store
 from trace_plugin.dashboard import create_dashboard

@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 from chat import chat as served
+from support.backends import Recording, lora_dir
 
 from trace_plugin import Recorder
 from trace_plugin.adapter_files import AdapterError, read_safetensors, write_safetensors
@@ -72,17 +73,6 @@ def test_safetensors_round_trip_and_bf16_is_widened(tmp_path):
         read_safetensors(tmp_path / "bad.safetensors")
 
 
-def _lora(path, rank: int, modules: dict[str, tuple[np.ndarray, np.ndarray]], **config) -> None:
-    path.mkdir(parents=True)
-    (path / "adapter_config.json").write_text(
-        json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, **config})
-    )
-    tensors = {}
-    for module, (a, b) in modules.items():
-        tensors[f"{module}.lora_A.weight"], tensors[f"{module}.lora_B.weight"] = a, b
-    write_safetensors(path / "adapter_model.safetensors", tensors)
-
-
 def test_the_composed_adapter_is_the_weighted_sum_of_the_deltas(tmp_path):
     rng = np.random.default_rng(0)
 
@@ -90,8 +80,8 @@ def test_the_composed_adapter_is_the_weighted_sum_of_the_deltas(tmp_path):
         return rng.normal(size=(rank, 5)).astype(np.float32), rng.normal(size=(7, rank)).astype(np.float32)
 
     q1, v1, q2 = pair(2), pair(2), pair(3)
-    _lora(tmp_path / "one", 2, {"m.q": q1, "m.v": v1})
-    _lora(tmp_path / "two", 3, {"m.q": q2}, use_rslora=True)  # scaling alpha / sqrt(r)
+    lora_dir(tmp_path / "one", 2, {"m.q": q1, "m.v": v1})
+    lora_dir(tmp_path / "two", 3, {"m.q": q2}, use_rslora=True)  # scaling alpha / sqrt(r)
     compose_adapter([(tmp_path / "one", 0.7), (tmp_path / "two", 0.3)], tmp_path / "mix")
     config = json.loads((tmp_path / "mix" / "adapter_config.json").read_text())
     assert config["r"] == config["lora_alpha"] == 5 and not config["use_rslora"]
@@ -118,7 +108,7 @@ def test_per_layer_weights_weigh_each_layers_modules_with_their_own(tmp_path):
         for layer in (0, 1)
         for kind in ("q_proj", "v_proj")
     }
-    _lora(tmp_path / "one", 2, pairs)
+    lora_dir(tmp_path / "one", 2, pairs)
     compose_adapter([(tmp_path / "one", (0.25, 0.9))], tmp_path / "mix")
     out = read_safetensors(tmp_path / "mix" / "adapter_model.safetensors")
     for module, (a, b) in pairs.items():
@@ -127,16 +117,16 @@ def test_per_layer_weights_weigh_each_layers_modules_with_their_own(tmp_path):
         assert np.allclose(composed, weight * 2.0 * b @ a, atol=1e-5), module
     with pytest.raises(AdapterError, match="do not cover the module model.layers.1"):
         compose_adapter([(tmp_path / "one", (0.5,))], tmp_path / "short")
-    _lora(tmp_path / "flat", 2, {"lm_head": pairs["model.layers.0.self_attn.q_proj"]})
+    lora_dir(tmp_path / "flat", 2, {"lm_head": pairs["model.layers.0.self_attn.q_proj"]})
     with pytest.raises(AdapterError, match="lm_head"):
         compose_adapter([(tmp_path / "flat", (0.5, 0.5))], tmp_path / "nolayer")
 
 
 def test_only_plain_loras_are_composed(tmp_path):
     pair = (np.ones((2, 3), np.float32), np.ones((4, 2), np.float32))
-    _lora(tmp_path / "plain", 2, {"m.q": pair})
-    _lora(tmp_path / "dora", 2, {"m.q": pair}, use_dora=True)
-    _lora(tmp_path / "wrong-rank", 3, {"m.q": pair})
+    lora_dir(tmp_path / "plain", 2, {"m.q": pair})
+    lora_dir(tmp_path / "dora", 2, {"m.q": pair}, use_dora=True)
+    lora_dir(tmp_path / "wrong-rank", 3, {"m.q": pair})
     for other, needle in (("dora", "not a plain LoRA"), ("wrong-rank", "rank other than 3")):
         with pytest.raises(AdapterError, match=needle):
             compose_adapter([(tmp_path / "plain", 0.5), (tmp_path / other, 0.5)], tmp_path / "mix")
@@ -313,28 +303,6 @@ def test_a_bad_mixture_is_a_clear_4xx(mixing):
 # -- the registry's composed adapters -------------------------------------------------------
 
 
-class Recording:
-    """A backend that serves nothing but records what is loaded, for the registry's bookkeeping."""
-
-    model_id, max_lora_rank = "base", 64
-
-    def __init__(self) -> None:
-        self.loaded: list[str] = []
-        self.unloaded: list[str] = []
-
-    async def load_adapter(self, name, path) -> None:
-        self.loaded.append(name)
-
-    async def unload_adapter(self, name) -> None:
-        self.unloaded.append(name)
-
-    async def adapters(self) -> set[str]:
-        return set(self.loaded) - set(self.unloaded)
-
-    async def generate(self, prompt, params, adapter):
-        return []
-
-
 async def test_composed_adapters_are_cached_pinned_and_unloaded_only_once_drained(tmp_path):
     import asyncio
 
@@ -342,8 +310,8 @@ async def test_composed_adapters_are_cached_pinned_and_unloaded_only_once_draine
 
     pair = (np.ones((2, 3), np.float32), np.ones((4, 2), np.float32))
     for name in ("a", "b", "c"):
-        _lora(tmp_path / name / "1", 2, {"m.q": pair})
-    _lora(tmp_path / "a" / "2", 2, {"m.q": pair})
+        lora_dir(tmp_path / name / "1", 2, {"m.q": pair})
+    lora_dir(tmp_path / "a" / "2", 2, {"m.q": pair})
     backend = Recording()
     registry = AdapterRegistry(backend, tmp_path, mixtures=2)
     for name in ("a", "b", "c"):

@@ -3,129 +3,20 @@ then the same pages in a real headless Chromium."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
+from support.dashboards import IMG, SCRIPT, T0, Corpus, artifacts, navigate, seed
 
 from trace_plugin import Store
 from trace_plugin.dashboard import create_dashboard
 from trace_plugin.gateway.server import RunningServer, start_in_thread
-from trace_plugin.records.capability import Capability
-from trace_plugin.records.trajectory import Episode, EpisodeEnd, Feedback, Step, new_episode_id, new_id
-
-T0 = datetime(2026, 3, 1, tzinfo=UTC)
-SCRIPT = "<script>window.__pwned = 1</script>"
-IMG = '<img src=x onerror="window.__pwned = 2">'
-ROOT = Path(__file__).parent.parent
-
-
-@dataclass
-class Corpus:
-    store: Store
-    ids: dict[str, str]
-
-
-def _episode(
-    key: str,
-    agent: str,
-    hours: float,
-    source: str,
-    *,
-    reward: float | None = None,
-    label: str | None = None,
-    adapter: str | None = None,
-    status: str = "completed",
-    error: str | None = None,
-    note: str = "where is O-1?",
-    result: str = '{"status": "shipped"}',
-) -> list[Any]:
-    """A two-turn tool-calling run: ask, call get_order, answer."""
-    e = Episode(
-        id=f"{key}-{new_id()[:8]}",
-        agent=agent,
-        source=source,
-        adapter=adapter,
-        started_at=T0 + timedelta(hours=hours),
-        input={"messages": [{"role": "user", "content": note}]},
-    )
-    arguments = {"order_id": "O-1", "note": note}
-    call = {
-        "id": "call_1",
-        "type": "function",
-        "function": {"name": "get_order", "arguments": json.dumps(arguments)},
-    }
-    asked = [{"role": "system", "content": "Be helpful."}, {"role": "user", "content": note}]
-    reply = {"role": "assistant", "content": None, "tool_calls": [call]}
-    done = {"role": "assistant", "content": "Order O-1 has shipped."}
-    tool_msg = {"role": "tool", "tool_call_id": "call_1", "content": result}
-    return [
-        e,
-        Step(e.id, 0, "llm", "m", input={"messages": asked, "tools": ["get_order"]}, output=reply),
-        Step(e.id, 1, "tool", "get_order", input=arguments, output=result,
-             tool_call_id="call_1", latency_ms=3.5),
-        Step(e.id, 2, "llm", "m", input={"messages": [*asked, reply, tool_msg], "tools": ["get_order"]},
-             output=done),
-        EpisodeEnd(e.id, status, output=done, reward=reward, label=label, error=error),
-    ]  # fmt: skip
-
-
-def seed(url: str) -> Corpus:
-    """Nine episodes over three days with known counts per filter (see the tests)."""
-    store = Store(url)
-    store.upgrade()
-    runs = {
-        "a1": _episode("a1", "alpha", 1, "langgraph", reward=1.0, adapter="billing@1"),
-        "a2": _episode("a2", "alpha", 2, "langgraph", reward=0.0, adapter="billing@1"),
-        "a3": _episode("a3", "alpha", 26, "langgraph", reward=0.5, label="success", adapter="billing@2"),
-        "a4": _episode("a4", "alpha", 27, "gateway"),
-        "a5": _episode("a5", "alpha", 50, "gateway", label="failure", adapter="billing@2"),
-        "a6": _episode("a6", "alpha", 51, "gateway", reward=1.0),
-        "b1": _episode("b1", "beta", 3, "api", reward=1.0),
-        "b2": _episode("b2", "beta", 30, "api", reward=0.0, status="error", error="ValueError: boom"),
-        "x": _episode(
-            "x", "mallory", 4, "api", error=f"failed on {SCRIPT}", note=SCRIPT, result=SCRIPT + IMG
-        ),
-    }
-    for records in runs.values():
-        store.write(records)
-    ids = {key: records[0].id for key, records in runs.items()}
-    store.write([Feedback(ids["x"], reward=0.0, label="failure", source="user", comment=f"bad {SCRIPT}")])
-    metrics = {"rule": {"rho": 0.1, "delta": 0.2, "k": 8, "n": 10}}
-    store.save_capabilities(
-        "alpha",
-        [
-            Capability(
-                "argument_grounding",
-                "Use ids the user gave.",
-                "detector",
-                True,
-                {**metrics, "coverage": 0.5, "contrast": 0.42, "passed": 9, "runs": 10},
-                examples=[ids["a2"], ids["a5"]],
-                tools=["get_order"],
-                mining_run="run-1",
-            ),
-            Capability(
-                "termination",
-                "Stop when done.",
-                "detector",
-                False,
-                {**metrics, "coverage": 0.25, "contrast": -0.1, "passed": 0, "runs": 10},
-                examples=[ids["a2"]],
-                mining_run="run-1",
-            ),
-        ],
-    )
-    return Corpus(store, ids)
+from trace_plugin.records.trajectory import Episode, EpisodeEnd, new_episode_id, new_id
 
 
 def count(html: str) -> int:
@@ -368,64 +259,12 @@ def test_bad_filter_values_are_400_pages(client: TestClient) -> None:
 # -- a real browser ----------------------------------------------------------------------------
 
 
-def _chromium() -> tuple[str, str] | None:
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    return (browser, driver) if browser and driver else None
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    found = _chromium()
-    try:
-        from selenium import webdriver
-    except ImportError:
-        found = None
-    if found is None:
-        message = "chromium, chromedriver or selenium missing: DASHBOARD BROWSER TESTS NOT RUN"
-        if os.environ.get("TRACE_PLUGIN_REQUIRE_CHROMIUM") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = found[0]
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1280,1000"):  # fmt: skip
-        options.add_argument(arg)
-    driver = webdriver.Chrome(options=options, service=Service(executable_path=found[1]))
-    driver.set_page_load_timeout(30)
-    yield driver
-    driver.quit()
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, Corpus]]:
     corpus = seed(f"sqlite:///{tmp_path_factory.mktemp('dash') / 'trace.db'}")
     with start_in_thread(create_dashboard(corpus.store)) as server:
         yield server, corpus
     corpus.store.close()
-
-
-def _artifacts() -> Path:
-    """``$TRACE_PLUGIN_ARTIFACTS``, else tests/artifacts, which ignores itself for git."""
-    configured = os.environ.get("TRACE_PLUGIN_ARTIFACTS")
-    path = Path(configured) if configured else ROOT / "tests" / "artifacts"
-    path.mkdir(parents=True, exist_ok=True)
-    if not configured:
-        (path / ".gitignore").write_text("*\n")
-    return path
-
-
-def _navigate(browser: Any, element: Any) -> None:
-    """Click something that loads a page, and wait until the old one is gone."""
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    page = browser.find_element(By.TAG_NAME, "html")
-    element.click()
-    WebDriverWait(browser, 15).until(expected_conditions.staleness_of(page))
 
 
 def test_browser_episodes_filter_and_episode(browser: Any, served: tuple[RunningServer, Corpus]) -> None:
@@ -439,17 +278,17 @@ def test_browser_episodes_filter_and_episode(browser: Any, served: tuple[Running
 
     Select(browser.find_element(By.ID, "f-agent")).select_by_visible_text("alpha")
     Select(browser.find_element(By.ID, "f-outcome")).select_by_visible_text("failure")
-    _navigate(browser, browser.find_element(By.ID, "f-apply"))
+    navigate(browser, browser.find_element(By.ID, "f-apply"))
     assert browser.find_element(By.ID, "count").text == "2"
     rows = browser.find_elements(By.CSS_SELECTOR, "tr.episode-row")
     assert [r.find_elements(By.TAG_NAME, "td")[2].text for r in rows] == ["alpha", "alpha"]
     assert Select(browser.find_element(By.ID, "f-agent")).first_selected_option.text == "alpha"
 
-    _navigate(browser, rows[0].find_element(By.TAG_NAME, "a"))  # the newest: a5
+    navigate(browser, rows[0].find_element(By.TAG_NAME, "a"))  # the newest: a5
     assert browser.find_element(By.ID, "episode-id").text == corpus.ids["a5"]
     assert "calls get_order" in browser.find_element(By.CSS_SELECTOR, ".tool-call").text
     assert '"status": "shipped"' in browser.find_element(By.CSS_SELECTOR, ".tool-result").text
-    browser.save_screenshot(str(_artifacts() / "dashboard-episode.png"))
+    browser.save_screenshot(str(artifacts() / "dashboard-episode.png"))
 
 
 def test_browser_keeps_captured_script_inert(browser: Any, served: tuple[RunningServer, Corpus]) -> None:
@@ -463,7 +302,7 @@ def test_browser_keeps_captured_script_inert(browser: Any, served: tuple[Running
     assert browser.find_elements(By.TAG_NAME, "script") == []
     assert browser.find_elements(By.TAG_NAME, "img") == []
     assert browser.execute_script("return window.__pwned === undefined")
-    browser.save_screenshot(str(_artifacts() / "dashboard-escaping.png"))
+    browser.save_screenshot(str(artifacts() / "dashboard-escaping.png"))
 
 
 def test_browser_success_plot_draws(browser: Any, served: tuple[RunningServer, Corpus]) -> None:
@@ -482,10 +321,10 @@ def test_browser_success_plot_draws(browser: Any, served: tuple[RunningServer, C
         for p in plot.find_elements(By.CSS_SELECTOR, '[data-agent="alpha"] circle')
     ]
     assert ys[0] == ys[2] > ys[1]
-    browser.save_screenshot(str(_artifacts() / "dashboard-success.png"))
+    browser.save_screenshot(str(artifacts() / "dashboard-success.png"))
     browser.get(f"{server.url}/capabilities")
     assert len(browser.find_elements(By.CSS_SELECTOR, "tr.capability")) == 2
-    browser.save_screenshot(str(_artifacts() / "dashboard-capabilities.png"))
+    browser.save_screenshot(str(artifacts() / "dashboard-capabilities.png"))
 
 
 def test_the_automatic_bucket_fits_the_datas_time_range(db_url: str) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
-from datetime import timedelta, timezone
 from urllib.parse import quote
 
 import httpx
@@ -15,7 +14,17 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
-from test_dashboard import Corpus, seed
+from support.dashboards import (
+    KEYS,
+    VALID,
+    Corpus,
+    assert_secured,
+    encoded,
+    extras,
+    quoted,
+    seed,
+    values,
+)
 
 from trace_plugin.dashboard import create_dashboard
 from trace_plugin.dashboard import queries as q
@@ -29,11 +38,6 @@ def dashboard(db_url: str) -> Iterator[tuple[TestClient, Corpus]]:
     corpus = seed(db_url)
     yield TestClient(create_dashboard(corpus.store), raise_server_exceptions=False), corpus
     corpus.store.close()
-
-
-def assert_secured(response: httpx.Response) -> None:
-    for name, value in SECURITY_HEADERS.items():
-        assert response.headers.get(name) == value, (response.status_code, name, response.headers)
 
 
 def assert_error_page(response: httpx.Response, status: int) -> None:
@@ -135,56 +139,6 @@ def test_head_answers_as_get_does_without_the_body(sqlite_url: str) -> None:
 # {real} is a stored episode's id, {any} a generated one.
 ROUTES = ["/", "/episodes", "/success", "/capabilities", "/improver", "/episodes/{real}", "/episodes/{any}",
           "/export/trl/{real}", "/export/openai/{any}", "/export/{any}/{real}", "/nowhere"]  # fmt: skip
-EDGES = ["", " ", "\x00", "alpha\x00", "0", "-1", "1e3", "nan", str(MAX_PAGE), str(MAX_PAGE + 1),
-         "99999999999999999999999", "0001-01-01T00:00+01:00", "9999-12-31T23:59-01:00"]  # fmt: skip
-offsets = st.timedeltas(min_value=-timedelta(hours=23, minutes=59), max_value=timedelta(hours=23, minutes=59))
-times = st.datetimes(timezones=st.none() | offsets.map(timezone)).map(lambda d: d.isoformat())
-values = st.one_of(
-    st.sampled_from(EDGES),
-    st.text(max_size=24),  # any code point but a surrogate, NUL and controls included
-    st.text(st.characters(categories=["Cs", "Cc"]), max_size=4),  # lone surrogates, CR, LF
-    st.integers(1, 30).flatmap(lambda n: st.text("0123456789", min_size=n, max_size=n)),  # past 64 bits too
-    times,
-)
-# What each route parameter takes, so that generated requests get past validation to the queries.
-VALID: dict[str, st.SearchStrategy[str]] = {
-    "agent": st.sampled_from(["alpha", "beta", "mallory"]),
-    "outcome": st.sampled_from(q.OUTCOMES),
-    "status": st.sampled_from(q.STATUSES),
-    "source": st.sampled_from(["langgraph", "gateway", "api"]),
-    "adapter": st.sampled_from(["billing@1", "billing@2"]),
-    "router": st.sampled_from(["r-000000000000"]),
-    "since": times,
-    "until": times,
-    "page": st.integers(1, 3).map(str),
-    "bucket": st.sampled_from(["auto", "minute", "hour", "day"]),
-    "run": st.just("run-1"),
-}
-KEYS = sorted(VALID)
-
-
-def _quoted(text: str) -> str:
-    """Percent-encoded UTF-8, a lone surrogate as the bytes it would have (invalid UTF-8)."""
-    return quote(text.encode("utf-8", "surrogatepass"), safe="")
-
-
-def _encode(pairs: dict[str, str]) -> list[str]:
-    return [f"{_quoted(k)}={_quoted(v)}" for k, v in pairs.items()]
-
-
-extras = st.one_of(
-    st.dictionaries(st.text(max_size=6), values, max_size=2).map(_encode),  # names no route reads
-    # Percent-encoded bytes, invalid UTF-8 among them.
-    st.lists(
-        st.builds(
-            lambda k, raw: f"{k}={''.join(f'%{b:02X}' for b in raw)}",
-            st.sampled_from(KEYS),
-            st.binary(max_size=12),
-        ),
-        max_size=2,
-    ),
-    st.lists(st.text(alphabet="%=&;+?aZ09 ", max_size=16), max_size=2),  # malformed pieces, sent as they are
-)
 
 
 @st.composite
@@ -193,7 +147,7 @@ def queries(draw: st.DrawFn) -> str:
     params = draw(st.fixed_dictionaries({}, optional=VALID))
     for key in draw(st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True)):
         params[key] = draw(values)
-    return "&".join(_encode(params) + draw(extras))
+    return "&".join(encoded(params) + draw(extras))
 
 
 @settings(
@@ -217,7 +171,7 @@ def test_generated_query_strings_never_get_a_5xx(
     """Each query string (and body) goes to every route."""
     client, corpus = dashboard
     for route in ROUTES:
-        path = route.format(real=corpus.ids["a3"], any=_quoted(episode_id))
+        path = route.format(real=corpus.ids["a3"], any=quoted(episode_id))
         response = client.request(method, f"{path}?{query}", content=body, follow_redirects=False)
         event(f"{route} {response.status_code}")  # --hypothesis-show-statistics: what the examples reached
         assert response.status_code < 500, (method, path, query, response.text[:500])
@@ -228,11 +182,13 @@ def test_exports_take_the_id_exactly_as_linked_and_refuse_a_blank_format(db_url:
     """``/export/%20/ID`` answered 200 with ``ID.None.jsonl``, ``/export/trl/%20pad%20``
     served the episode ``pad`` (the id was stripped), and ids holding CR or LF could not be
     reached. A redacted export is offered beside each raw one."""
-    from test_dashboard import _episode
+    from support.dashboards import dashboard_episode
 
     corpus = seed(db_url)
     for key in ("pad", " pad ", "line\r\nbreak", "mail ann@example.com"):
-        records = _episode("x", "alpha", 5, "api", reward=1.0, note=f"I am ann@example.com ({key!r})")
+        records = dashboard_episode(
+            "x", "alpha", 5, "api", reward=1.0, note=f"I am ann@example.com ({key!r})"
+        )
         records[0].id = key
         for record in records[1:]:
             record.episode_id = key

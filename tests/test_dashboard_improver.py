@@ -24,8 +24,17 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_dashboard import IMG, SCRIPT, _artifacts, _navigate, browser  # noqa: F401  (browser: a fixture)
-from test_dashboard_hardening import _encode, assert_secured, extras, times, values
+from support.dashboards import (
+    IMG,
+    SCRIPT,
+    artifacts,
+    assert_secured,
+    encoded,
+    extras,
+    navigate,
+    times,
+    values,
+)
 
 from trace_plugin.dashboard import create_dashboard
 from trace_plugin.environments.base import RewardBreakdown
@@ -358,7 +367,7 @@ def improver_queries(draw: st.DrawFn, improved: Improved) -> str:
     params = draw(st.fixed_dictionaries({}, optional=valid))
     for key in draw(st.lists(st.sampled_from(sorted(valid)), max_size=2, unique=True)):
         params[key] = draw(values)
-    return "&".join(_encode(params) + draw(extras))
+    return "&".join(encoded(params) + draw(extras))
 
 
 @pytest.mark.slow
@@ -386,7 +395,7 @@ def test_browser_improver_page_and_its_router_filter(
 
     server, improved = served
     browser.get(f"{server.url}/episodes")
-    _navigate(browser, browser.find_element(By.LINK_TEXT, "Improver"))
+    navigate(browser, browser.find_element(By.LINK_TEXT, "Improver"))
     assert browser.execute_script("return window.__pwned === undefined")
     assert (
         browser.find_elements(By.TAG_NAME, "script") == [] and browser.find_elements(By.TAG_NAME, "img") == []
@@ -404,11 +413,11 @@ def test_browser_improver_page_and_its_router_filter(
     assert len(plots[0].find_elements(By.TAG_NAME, "polyline")) == 2
     height = browser.execute_script("return document.documentElement.scrollHeight")
     browser.set_window_size(1280, height + 160)  # the whole page: the window's frame takes some
-    browser.save_screenshot(str(_artifacts() / "dashboard-improver.png"))  # docs/improver.png is a copy
+    browser.save_screenshot(str(artifacts() / "dashboard-improver.png"))  # docs/improver.png is a copy
 
     canary = browser.find_element(By.ID, f"deployment-{improved.cycles[3]}")
     assert "3 of 12 routed episodes (25%)" in canary.find_element(By.CSS_SELECTOR, ".share").text
-    _navigate(browser, canary.find_element(By.CSS_SELECTOR, "a.served"))
+    navigate(browser, canary.find_element(By.CSS_SELECTOR, "a.served"))
     version = improved.versions[improved.cycles[3]]
     assert browser.find_element(By.ID, "count").text == "3"
     assert browser.find_element(By.ID, "f-router").get_attribute("value") == version
@@ -416,10 +425,10 @@ def test_browser_improver_page_and_its_router_filter(
     assert len(rows) == 3 and {r.find_elements(By.TAG_NAME, "td")[9].text for r in rows} == {version}
 
     # The filter by hand, on its own: the live deployment's version typed in.
-    _navigate(browser, browser.find_element(By.LINK_TEXT, "clear"))
+    navigate(browser, browser.find_element(By.LINK_TEXT, "clear"))
     assert browser.find_element(By.ID, "f-router").get_attribute("value") == ""
     browser.find_element(By.ID, "f-router").send_keys(improved.versions[improved.cycles[0]])
-    _navigate(browser, browser.find_element(By.ID, "f-apply"))
+    navigate(browser, browser.find_element(By.ID, "f-apply"))
     assert browser.find_element(By.ID, "count").text == str(improved.served[improved.cycles[0]])
     assert browser.execute_script("return window.__pwned === undefined")
     browser.set_window_size(1280, 1000)

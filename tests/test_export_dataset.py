@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 from agents import build, find_user, get_order, model_for, user
-from test_gateway import TOOLS
-from test_warm_start import EXAMPLES
+from support.plays import EXAMPLES
+from support.requests import TOOLS
 from typer.testing import CliRunner
 
 import trace_plugin
@@ -555,7 +555,7 @@ def test_redacted_exports_mask_numbers_and_keys_and_arguments_stay_json(db_url):
     """``--redact`` left card and phone numbers given as JSON numbers and e-mails used as
     keys unmasked, and turned the arguments ``"\\"x@y.com\\""`` into ``[EMAIL]``, no longer
     JSON. (OpenAI takes only objects as arguments: that episode is TRL's alone.)"""
-    from test_payload import HOSTILE_PII, UNMASKED
+    from support.pii import HOSTILE_PII, UNMASKED
 
     store = Store(db_url)
     store.upgrade()

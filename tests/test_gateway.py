@@ -11,6 +11,7 @@ import httpx
 import pytest
 from load import swap_under_load
 from openai import OpenAI
+from support.requests import TOOLS, retail_ticket
 
 from trace_plugin import Recorder
 from trace_plugin.environments.retail import TEST_SEEDS, RetailEnv
@@ -21,21 +22,6 @@ from trace_plugin.gateway.server import start_in_thread
 from training.lora import random_adapter
 
 pytestmark = pytest.mark.slow
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_order",
-            "description": "Look up an order",
-            "parameters": {
-                "type": "object",
-                "properties": {"order_id": {"type": "string"}},
-                "required": ["order_id"],
-            },
-        },
-    }
-]
 
 
 @pytest.fixture(scope="module")
@@ -203,22 +189,6 @@ def test_a_stop_string_ends_generation_there(client):
     assert (
         stopped.usage.completion_tokens < free.usage.completion_tokens
     )  # it stopped generating, not just cut
-
-
-def retail_ticket() -> tuple[list[dict], list[dict]]:
-    """The support agent's first request on a retail ticket: policy, tools, few-shot, ticket."""
-    from langchain_core.messages import convert_to_openai_messages
-
-    from examples.support_agent.agent import few_shot_messages
-
-    env = RetailEnv()
-    task = env.reset(TEST_SEEDS[0])
-    examples = convert_to_openai_messages(few_shot_messages())
-    return [
-        {"role": "system", "content": env.system_prompt},
-        *examples,
-        {"role": "user", "content": task.prompt},
-    ], env.tools
 
 
 def test_a_reply_may_not_write_the_tools_answer(client, gateway, backend):

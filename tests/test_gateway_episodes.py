@@ -19,7 +19,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.exc import OperationalError
-from test_gateway_hostile import ScriptedBackend
+from support.backends import ScriptedBackend
 
 from trace_plugin import Recorder
 from trace_plugin.conversations import SHUT_DOWN, ConversationEpisodes, ModelCall

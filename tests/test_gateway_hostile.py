@@ -12,66 +12,20 @@ import select
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from support.backends import ScriptedBackend
 
 from trace_plugin import Recorder
 from trace_plugin.gateway.app import GatewayConfig, create_app
-from trace_plugin.gateway.backend import Completion, Delta, Finished, SamplingParams
 from trace_plugin.gateway.server import start_in_thread
 from trace_plugin.gateway.stops import StopMatcher
 from trace_plugin.model_files import prepare_tokenizer, resolve_model
-
-
-class ScriptedBackend:
-    """Answers every prompt with the same reply, and keeps every prompt it was asked."""
-
-    model_id = "scripted"
-    max_lora_rank = 64
-    structured_output = False
-
-    def __init__(self, tokenizer: Any, reply: str = "All done.") -> None:
-        self.tokenizer, self.reply = tokenizer, reply
-        self.prompts: list[str] = []
-
-    def render(self, messages: list[dict], tools: list[dict] | None) -> str:
-        from trace_plugin.chat_template import render
-
-        return render(self.tokenizer, messages, tools)
-
-    async def generate(self, prompt: str, params: SamplingParams, adapter: str | None) -> list[Completion]:
-        self.prompts.append(prompt)
-        return [Completion(self.reply, [1, 2, 3], "stop", [4, 5]) for _ in range(params.n)]
-
-    async def stream(self, prompt: str, params: SamplingParams, adapter: str | None) -> AsyncIterator[Any]:
-        """The reply a few characters at a time, per completion."""
-        completions = await self.generate(prompt, params, adapter)
-
-        async def events() -> AsyncIterator[Any]:
-            for index, completion in enumerate(completions):
-                for start in range(0, len(completion.text), 3):
-                    yield Delta(index, completion.text[start : start + 3])
-                yield Finished(index, completion)
-
-        return events()
-
-    async def embed(self, texts: list[str]) -> list[list[float]]:
-        return [[1.0, 0.0] for _ in texts]
-
-    async def load_adapter(self, name: str, path: Path) -> None: ...
-
-    async def unload_adapter(self, name: str) -> None: ...
-
-    async def adapters(self) -> set[str]:
-        return set()
-
-    async def close(self) -> None: ...
 
 
 @pytest.fixture(scope="module")

@@ -446,7 +446,7 @@ def test_an_adapter_with_nan_weights_never_reaches_the_verdict(sqlite_url, tmp_p
     """A diverged run's adapter (NaN weights) went on to be routed and judged; the gateway
     would refuse to load it. The improver runs the gateway's check first, and says why."""
     import numpy as np
-    from test_composition import _lora
+    from support.backends import lora_dir
 
     from trace_plugin.improver import Mined, Screened, Synthesized, Trained, stages
 
@@ -462,7 +462,7 @@ def test_an_adapter_with_nan_weights_never_reaches_the_verdict(sqlite_url, tmp_p
         return Screened("base", 0.0, 0.0, True)
 
     adapter = tmp_path / "fmt" / "e1"
-    _lora(adapter, 2, {"m.q": (np.ones((2, 3), np.float32), np.full((4, 2), np.nan, np.float32))})
+    lora_dir(adapter, 2, {"m.q": (np.ones((2, 3), np.float32), np.full((4, 2), np.nan, np.float32))})
     monkeypatch.setattr(improver, "_synthesize", synthesized)
     monkeypatch.setattr(improver, "_screen", screened)
     monkeypatch.setattr(stages, "train", lambda *_: Trained("e1", str(adapter), [0.5], [0.5]))

@@ -19,7 +19,6 @@ import httpx
 import pytest
 from sqlalchemy import event, update
 from sqlalchemy.engine import Connection
-from test_synthesis_flow import planted  # noqa: F401  (a fixture: a store with a mined deficit)
 
 from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.server import start_in_thread

@@ -120,3 +120,21 @@ print(" ".join(sorted(m for m in sys.modules if m.startswith({above!r}) or m.spl
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == []
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in tests/support/ and shared fixtures in conftest.py: a test
+    module that imports another runs that module's import-time work, and ties the two."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            found += [
+                f"{path.relative_to(ROOT)}:{node.lineno}: {n}"
+                for n in names
+                if n.split(".")[0].startswith("test_")
+            ]
+    assert found == []

@@ -15,10 +15,10 @@ import httpx
 import mcp.types as types
 import psutil
 import pytest
-from mcp import ClientSession, StdioServerParameters
-from mcp.client.stdio import stdio_client
+from mcp import ClientSession
 from mcp.client.streamable_http import streamablehttp_client
 from mcp.shared.exceptions import McpError
+from support.mcp_sessions import stdio_session
 
 from mcp_server.environments import build_server
 from mcp_server.proxy import start_proxy_in_thread
@@ -35,14 +35,6 @@ pytestmark = pytest.mark.slow
 @asynccontextmanager
 async def http_session(url: str):
     async with streamablehttp_client(url) as (read, write, _), ClientSession(read, write) as session:
-        await session.initialize()
-        yield session
-
-
-@asynccontextmanager
-async def stdio_session(*command: str, env: dict | None = None):
-    params = StdioServerParameters(command=command[0], args=list(command[1:]), env=env)
-    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
         await session.initialize()
         yield session
 

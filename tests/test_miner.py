@@ -2,44 +2,13 @@
 
 from __future__ import annotations
 
-import copy
-
-from langchain.agents import create_agent
-from langchain_core.messages import AIMessage
+from support.plays import scripted
 from typer.testing import CliRunner
 
-import trace_plugin
-from integrations.scripted_chat_model import ScriptedChatModel
 from trace_plugin.cli import app
 from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
 from trace_plugin.environments.runner import LangGraphAgent, Runner
 from trace_plugin.mining.miner import OfflineMiner
-
-
-def scripted(env, recorder, *, invent_ids: bool):
-    """Replays the reference; with ``invent_ids`` every write targets an id nobody gave it."""
-    from examples.support_agent.agent import environment_tools
-
-    plan = copy.deepcopy(env.task.metadata["reference"])
-    if invent_ids:
-        for call in plan:
-            if "order_id" in call["arguments"] and call["name"] not in ("get_order",):
-                call["arguments"]["order_id"] = "#W9999999"
-    facts = " ".join(env.task.metadata["facts"])
-
-    def policy(messages):
-        done = sum(1 for m in messages if m.type == "tool")
-        if done < len(plan):
-            return AIMessage(
-                "",
-                tool_calls=[{"id": f"c{done}", "name": plan[done]["name"], "args": plan[done]["arguments"]}],
-            )
-        return AIMessage(f"Your order is {facts} now." if facts else "All done, your request is complete.")
-
-    graph = create_agent(
-        ScriptedChatModel(policy=policy), environment_tools(env), system_prompt=env.system_prompt
-    )
-    return trace_plugin.capture(agent="planted", recorder=recorder)(graph)
 
 
 async def test_a_planted_deficit_is_found_and_stored(local_recorder):

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.pii import HOSTILE_PII, UNMASKED
 
 from trace_plugin.payload import Lazy, Shaped, clip_text, encode, encode_now, make_redactor, redact_pii, shape
 
@@ -127,19 +128,6 @@ def test_shaped_values_convert_foreign_types_the_same_on_every_path():
     loop.append(loop)  # orjson must not take the cycle; the walk marks it and still converts the rest
     walked = json.loads(encode(Shaped(loop, default)))
     assert walked == [{"role": "user", "content": "x"}, {"__ref__": ""}]
-
-
-# What a redacted capture and a redacted export both left unmasked (hardening round 4).
-HOSTILE_PII = {
-    "card": 4111111111111111,  # a card number given as a JSON number
-    "phone": 15551234567,  # so is a phone number: JSON has no "+"
-    "ann@example.com": {"orders": 2},  # an e-mail used as a key
-    "bob@example.com": {"orders": 3},  # another: redacted keys must not collide
-    "order": 1234567,
-    "count": 12,
-    "not_a_card": 4111111111111112,  # fails the Luhn check
-}
-UNMASKED = ["4111111111111111", "15551234567", "ann@example.com", "bob@example.com"]
 
 
 def test_redaction_masks_numbers_and_keys_and_json_text_still_parses():

@@ -123,7 +123,7 @@ async def test_a_call_through_a_recording_gateway_is_one_episode_the_runners(loc
     """The chat loop records its own episodes and tells the gateway so: the same call is not
     stored a second time as a ``gateway`` episode. A client that says nothing is recorded."""
     import httpx
-    from test_gateway_hostile import ScriptedBackend
+    from support.backends import ScriptedBackend
     from transformers import AutoTokenizer
 
     from trace_plugin.gateway.app import GatewayConfig, create_app

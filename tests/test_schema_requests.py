@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+from support.schemas import TOOLS, function
 
 from trace_plugin.environments.base import ToolCall, offered_tools
 from trace_plugin.environments.interpreter import SpecEnv, argument_credit
@@ -13,58 +14,6 @@ from trace_plugin.environments.synthesis import Observations, synthesize
 from trace_plugin.environments.validation import check_policies, made_up
 from trace_plugin.mining.kinds import KINDS
 from trace_plugin.records.env_spec import SpecError, parse_spec
-
-
-def function(name, properties, required=(), description=""):
-    parameters = {"type": "object", "properties": properties, "required": list(required)}
-    return {
-        "type": "function",
-        "function": {"name": name, "description": description, "parameters": parameters},
-    }
-
-
-# Stateless tools as a function-calling agent offers them: dotted and camelCase names, no
-# ``_id`` parameters, nested objects, arrays, enums, ranged numbers, booleans, formats.
-TOOLS = [
-    function(
-        "geometry.circleArea",
-        {
-            "radius": {"type": "number", "minimum": 0.5, "maximum": 20},
-            "units": {"type": "string", "enum": ["cm", "m"]},
-        },
-        ["radius"],
-        "Compute the area of a circle. Returns square units.",
-    ),
-    function(
-        "convertCurrency",
-        {
-            "amount": {"type": "integer", "minimum": 1, "maximum": 5000},
-            "from": {"type": "string", "enum": ["USD", "EUR", "JPY"]},
-            "to": {"type": "string", "enum": ["USD", "EUR", "JPY"]},
-            "rounded": {"type": "boolean"},
-        },
-        ["amount", "from", "to"],
-        "Convert an amount of money between currencies.",
-    ),
-    function(
-        "legal.search_cases",
-        {
-            "query": {"type": "string"},
-            "filters": {
-                "type": "object",
-                "properties": {
-                    "court": {"type": "string", "enum": ["supreme", "appeals"]},
-                    "after": {"type": "string", "format": "date"},
-                },
-                "required": ["court", "after"],
-            },
-            "tags": {"type": "array", "items": {"type": "string"}},
-        },
-        ["query", "filters"],
-        "Search court cases {by text}.",
-    ),
-    function("weather.now", {"city": {"type": "string"}}, ["city"], "The current weather in a city."),
-]
 
 
 def test_any_schema_synthesizes_an_environment_that_passes_validation():
@@ -209,7 +158,7 @@ def _names(tools) -> set[str]:
 
 
 async def test_the_runner_offers_each_task_its_own_tools_through_the_gateway(tokenizer, local_recorder):
-    from test_gateway_hostile import ScriptedBackend
+    from support.backends import ScriptedBackend
 
     from trace_plugin.environments.runner import ChatLoopAgent, Runner
     from trace_plugin.gateway.app import GatewayConfig, create_app

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from openai import BadRequestError, OpenAI
-from test_gateway import retail_ticket
+from support.requests import content_of, retail_ticket
 
 from trace_plugin.gateway.app import CANCELLED, GatewayConfig, create_app
 from trace_plugin.gateway.embedded import RowOutput, RowWatch
@@ -317,13 +317,13 @@ def test_a_client_that_leaves_mid_stream_stops_its_row_only(gateway, embedded_ba
         body = {**ask, "messages": [story], "max_tokens": 400, "metadata": {"trace_episode_id": "left-early"}}
         with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=120) as response:
             lines = response.iter_lines()
-            texts["left"] = "".join(_content(line) for line, _ in zip(lines, range(6), strict=False))
+            texts["left"] = "".join(content_of(line) for line, _ in zip(lines, range(6), strict=False))
         # leaving the block closes the connection mid-stream
 
     def stay() -> None:
         body = {**ask, "messages": [other], "max_tokens": 32}
         with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=120) as response:
-            texts["stayed"] = "".join(_content(line) for line in response.iter_lines())
+            texts["stayed"] = "".join(content_of(line) for line in response.iter_lines())
 
     threads = [threading.Thread(target=leave), threading.Thread(target=stay)]
     for thread in threads:
@@ -339,13 +339,6 @@ def test_a_client_that_leaves_mid_stream_stops_its_row_only(gateway, embedded_ba
     )
     assert (ended.status, ended.error) == ("cancelled", CANCELLED)  # ended, not left running
     assert _eventually(lambda: embedded_backend.cancelled_rows == before + 1)  # counted once generate returns
-
-
-def _content(line: str) -> str:
-    if not line.startswith("data: ") or line == "data: [DONE]":
-        return ""
-    choices = json.loads(line[len("data: ") :]).get("choices") or [{}]
-    return (choices[0].get("delta") or {}).get("content") or ""
 
 
 def _eventually(probe: Any, tries: int = 100) -> Any:

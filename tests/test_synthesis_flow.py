@@ -7,33 +7,19 @@ import os
 import sys
 
 import pytest
-from test_mcp import stdio_session
-from test_miner import scripted
+from support.mcp_sessions import stdio_session
 from typer.testing import CliRunner
 
 from trace_plugin.cli import app
 from trace_plugin.environments.catalog import chat_player, env_factory, prepare_environment
 from trace_plugin.environments.interpreter import SpecEnv
-from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
-from trace_plugin.environments.runner import LangGraphAgent, Runner
+from trace_plugin.environments.retail import RetailEnv
 from trace_plugin.environments.validation import Band
 from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.server import start_in_thread
-from trace_plugin.mining.miner import OfflineMiner
 from trace_plugin.records.env_spec import Check
 
 COLUMNS = {"COLUMNS": "200"}
-
-
-@pytest.fixture
-async def planted(local_recorder):
-    """A store holding an agent that invents ids for its writes half the time, mined."""
-    for invent in (False, True):
-        agent = LangGraphAgent(lambda env, invent=invent: scripted(env, local_recorder, invent_ids=invent))
-        await Runner(RetailEnv, agent, recorder=local_recorder, concurrency=8).run(list(TRAIN_SEEDS)[:24])
-    assert local_recorder.flush(20)
-    OfflineMiner(local_recorder.store).mine("planted")
-    return local_recorder.store
 
 
 async def test_a_mined_capability_becomes_an_environment_served_over_mcp(planted):

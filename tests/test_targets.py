@@ -121,7 +121,7 @@ def test_the_cli_takes_a_registered_target(plugin, tmp_path):
 async def evaluate_scripted(reply: str, target: str, seeds: list[int], tmp_path) -> tuple[list, list[str]]:
     """The improver's target evaluation through a gateway whose model always says ``reply``:
     the results, and every prompt the model was asked."""
-    from test_gateway_hostile import ScriptedBackend
+    from support.backends import ScriptedBackend
     from transformers import AutoTokenizer
 
     from trace_plugin.gateway.app import GatewayConfig, create_app

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 from openai import BadRequestError, OpenAI
-from test_gateway import retail_ticket
-from test_gateway_hostile import ScriptedBackend
+from support.backends import ScriptedBackend
+from support.requests import retail_ticket
 
 from trace_plugin.gateway.app import GatewayConfig, create_app
 from trace_plugin.gateway.server import start_in_thread

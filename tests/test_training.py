@@ -101,7 +101,7 @@ def test_episodes_are_the_tokens_the_gateway_would_render(tokenizer):
 
 
 def test_a_task_offering_its_own_tools_is_played_with_exactly_those(tokenizer):
-    from test_schema_requests import TOOLS
+    from support.schemas import TOOLS
 
     from trace_plugin.environments.interpreter import SpecEnv
     from trace_plugin.environments.synthesis import synthesize

@@ -122,7 +122,7 @@ def test_a_mixture_is_one_composed_adapter_loaded_once_through_the_vllm_contract
 
 def test_a_named_tool_choice_is_forced_through_the_vllm_contract(stack):
     """vLLM completes the prompt it is sent: a call tool_choice requires starts in the prompt."""
-    from test_gateway import retail_ticket
+    from support.requests import retail_ticket
 
     _, outer = stack
     messages, tools = retail_ticket()
@@ -167,7 +167,7 @@ def test_a_stream_through_the_vllm_backend_and_a_client_that_leaves_it(stack):
     hangs up closes the connection to vLLM, whose generation of that row stops."""
     import time
 
-    from test_streaming import _content
+    from support.requests import content_of
 
     inner, outer = stack
     ask = {"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 24}
@@ -176,7 +176,7 @@ def test_a_stream_through_the_vllm_backend_and_a_client_that_leaves_it(stack):
     with httpx.stream(
         "POST", f"{outer.url}/v1/chat/completions", json={**ask, "stream": True}, timeout=120
     ) as r:
-        pieces = [_content(line) for line in r.iter_lines()]
+        pieces = [content_of(line) for line in r.iter_lines()]
     assert len([p for p in pieces if p]) >= 10
     assert "".join(pieces) == whole["choices"][0]["message"]["content"]
     vllm = inner.server.config.app.state.backend
@@ -184,7 +184,7 @@ def test_a_stream_through_the_vllm_backend_and_a_client_that_leaves_it(stack):
     story = {**ask, "max_tokens": 400, "stream": True}
     story["messages"] = [{"role": "user", "content": "Write a very long story about a lighthouse."}]
     with httpx.stream("POST", f"{outer.url}/v1/chat/completions", json=story, timeout=120) as r:
-        next(line for line in r.iter_lines() if _content(line))
+        next(line for line in r.iter_lines() if content_of(line))
     for _ in range(100):  # the hang-up travels through two servers
         if vllm.cancelled_rows > before:
             break

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+from support.plays import EXAMPLES
 from transformers import AutoTokenizer, TrainerCallback
 
 from trace_plugin.chat_template import render
@@ -20,24 +21,6 @@ from trace_plugin.tool_calls import parse_completion
 from training.config import ExpertTrainingConfig
 from training.episodes import EpisodePlayer
 from training.warm_start import WarmStartTrainer, reference_plays
-
-# The support agent's kind of few-shot, in OpenAI form (string arguments), as serving receives it.
-EXAMPLES: list[dict[str, Any]] = [
-    {"role": "user", "content": "Status of order #W1000001? My email is ann.lee12@example.com."},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": "ex1",
-                "type": "function",
-                "function": {"name": "get_order", "arguments": '{"order_id": "#W1000001"}'},
-            }
-        ],
-    },
-    {"role": "tool", "tool_call_id": "ex1", "content": '{"order_id": "#W1000001", "status": "pending"}'},
-    {"role": "assistant", "content": "Your order #W1000001 is pending."},
-]
 
 
 @pytest.fixture(scope="module")
