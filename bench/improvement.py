@@ -69,7 +69,7 @@ from trace_plugin.demo import (  # noqa: E402
 )
 from trace_plugin.environments.interpreter import SpecEnv, worked_example  # noqa: E402
 from trace_plugin.environments.retail import TEST_SEEDS, TRAIN_SEEDS, RetailEnv  # noqa: E402
-from trace_plugin.gateway.admin import GatewayAdmin  # noqa: E402
+from trace_plugin.gateway.admin_client import GatewayAdmin  # noqa: E402
 from trace_plugin.improver import TRAINING_SEEDS, Improver, bootstrap_interval, paired_gain  # noqa: E402
 from trace_plugin.model_files import Precision, torch_dtype  # noqa: E402
 from trace_plugin.records.deployment import Deployment  # noqa: E402

@@ -469,7 +469,7 @@ def test_the_router_is_swapped_by_spec_through_the_admin_api(client, gateway):
 
 
 def test_the_route_endpoint_tells_the_gateways_own_decision_which_its_requests_then_get(client, gateway):
-    from trace_plugin.gateway.admin import GatewayAdmin
+    from trace_plugin.gateway.admin_client import GatewayAdmin
 
     ensure_loaded(gateway, "beta@1", "beta/1")
     route = GatewayAdmin(gateway.url).route

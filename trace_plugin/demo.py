@@ -236,7 +236,7 @@ class SupportStack:
         decision, which it keeps for the conversation), one group after another: rows of
         one adapter decode with it folded into the weights, where rows of several adapters
         in one batch take the mixed path, several times slower."""
-        from trace_plugin.gateway.admin import GatewayAdmin
+        from trace_plugin.gateway.admin_client import GatewayAdmin
 
         admin = GatewayAdmin(self.server.url)
         runner = Runner(

@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.base import RequestResponseEndpoint
 
 from trace_plugin import export
-from trace_plugin.dashboard import improver as imp
+from trace_plugin.dashboard import improver_page as imp
 from trace_plugin.dashboard import queries as q
 from trace_plugin.dashboard.conversation import conversation, pretty
 from trace_plugin.dashboard.plot import build_plot

@@ -13,12 +13,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trace_plugin.gateway.admin import GatewayAdmin
+    from trace_plugin.gateway.admin_client import GatewayAdmin
     from trace_plugin.gateway.app import GatewayConfig, GatewayConfigError
     from trace_plugin.gateway.server import RunningServer, serve_embedded
 
 _HOME = {
-    "GatewayAdmin": "admin",
+    "GatewayAdmin": "admin_client",
     "GatewayConfig": "app",
     "GatewayConfigError": "app",
     "RunningServer": "server",

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from trace_plugin.environments.runner import EpisodeResult
 from trace_plugin.environments.synthesis import CapturedInterface
-from trace_plugin.gateway.admin import GatewayAdmin
+from trace_plugin.gateway.admin_client import GatewayAdmin
 from trace_plugin.improver import evaluation, monitor, stages
 from trace_plugin.improver.config import ImproverConfig
 from trace_plugin.improver.errors import ConfigError, ImproverError
