@@ -349,3 +349,19 @@ def test_a_reply_may_take_as_many_tokens_as_the_environments_longest_reference_r
             run = run + 1 if bit else 0
             longest = max(longest, run)
     assert 48 < longest <= budget <= longest + longest // 4 + 8
+
+
+def test_the_newest_complete_checkpoint_is_resumed_and_a_half_saved_one_removed(tmp_path):
+    """The warm start and GRPO find their checkpoints one way (training.checkpoints)."""
+    from training.checkpoints import STATE, checkpoint_step, latest_checkpoint, publish
+
+    assert latest_checkpoint(tmp_path) is None
+    for step, complete in ((5, True), (10, True), (15, False)):  # 15: killed mid-save
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if complete:
+            (tmp_path / f"checkpoint-{step}" / STATE).write_text("{}")
+    newest = latest_checkpoint(tmp_path)
+    assert newest == tmp_path / "checkpoint-10" and checkpoint_step(newest) == 10
+    assert not (tmp_path / "checkpoint-15").exists()
+    publish(newest, tmp_path / "final")
+    assert (tmp_path / "final" / STATE).is_file() and not newest.exists()

@@ -38,7 +38,7 @@ from typing import Any, Literal, get_args
 import orjson
 
 from trace_plugin.chat_template import arguments_object, content_text
-from trace_plugin.environments.base import Environment, offered_tools, play_reference, task_key
+from trace_plugin.environments.base import DistinctPlays, Environment, play_reference
 from trace_plugin.errors import TracePluginError
 from trace_plugin.payload import Redactor, make_redactor, redact_text
 from trace_plugin.records.trajectory import SOURCES, Episode
@@ -189,18 +189,15 @@ def reference_plays(
     rows rendered by our chat template), behind the agent's ``examples``; a seed whose
     task repeats an earlier one's is passed over, as the warm start does. ``seeds`` are
     read as they are played (a ``range`` of any length costs nothing up front)."""
-    seen: set[str] = set()
+    distinct = DistinctPlays(
+        env_factory,
+        lambda seed: _reference_conversation(env_factory(), seed, max_turns, max_observation_chars, examples),
+    )
 
     def rows_of(seed: int) -> list[Row] | str:
-        env = env_factory()
-        task = env.reset(seed)
-        key = task_key(task.prompt, offered_tools(env, task))
-        if key in seen:
-            return REPEATED
-        play = _reference_conversation(env_factory(), seed, max_turns, max_observation_chars, examples)
-        if play is None:
-            return UNPLAYABLE
-        seen.add(key)
+        play = distinct(seed)
+        if isinstance(play, str):
+            return {"repeated": REPEATED, "unplayable": UNPLAYABLE}[play]
         return _rows_of_conversation(play, format)
 
     return Export(seeds, rows_of, len(seeds))

@@ -62,6 +62,7 @@ from trace_plugin.environments.base import Environment, Task, task_keys, unseen_
 from trace_plugin.generation import folded, until_eos
 from trace_plugin.model_files import load_model, resolve_model
 from trace_plugin.records.outcome import reward_succeeds
+from training.checkpoints import STATE, latest_checkpoint, publish
 from training.config import PLACE_FIELDS, ExpertTrainingConfig
 from training.episodes import EpisodePlayer, Generate, HintValue, Rollout, hf_generate
 from training.progress import StepProgress
@@ -537,11 +538,7 @@ class ExpertTrainer:
             shutil.rmtree(self.work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         stamp.write_text(wanted)
-        # trainer_state.json is the last file a checkpoint save writes.
-        complete = [c for c in self.work_dir.glob("checkpoint-*") if (c / "trainer_state.json").is_file()]
-        for partial in set(self.work_dir.glob("checkpoint-*")) - set(complete):
-            shutil.rmtree(partial)
-        return max(complete, key=lambda c: int(c.name.rsplit("-", 1)[1]), default=None)
+        return latest_checkpoint(self.work_dir)
 
     def _build(self) -> Any:
         from datasets import Dataset
@@ -677,7 +674,7 @@ class ExpertTrainer:
             self.warm_start.adapter_dir.rename(staging / WARM_START_DIR)
         (staging / RESULT_FILE).write_text(result.to_json())
         self.final_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging.rename(self.final_dir)
+        publish(staging, self.final_dir)
         shutil.rmtree(self.work_dir, ignore_errors=True)
         return result
 
@@ -686,7 +683,7 @@ def _logged(checkpoint: Path) -> Any:
     """A checkpoint's ``TrainerState``: its step and log history."""
     from transformers import TrainerState
 
-    return TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    return TrainerState.load_from_json(str(checkpoint / STATE))
 
 
 class _EarlyStop(TrainerCallback):
@@ -716,7 +713,7 @@ class _Snapshots(TrainerCallback):
             staging, final = self.root / f".{done}.partial", self.root / str(done)
             model.save_pretrained(staging)
             shutil.rmtree(final, ignore_errors=True)  # a resumed run redid this step
-            staging.rename(final)
+            publish(staging, final)
 
 
 class _ProgressBar(StepProgress):

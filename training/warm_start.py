@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections import Counter
 from collections.abc import Collection, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -35,7 +36,8 @@ from typing import Any
 from rich.console import Console
 from transformers import PrinterCallback, TrainerCallback
 
-from trace_plugin.environments.base import offered_tools, task_key
+from trace_plugin.environments.base import DistinctPlays
+from training.checkpoints import checkpoint_step, latest_checkpoint, publish
 from training.config import ExpertTrainingConfig
 from training.episodes import EpisodePlayer, Rollout
 from training.progress import StepProgress
@@ -72,25 +74,17 @@ def reference_plays(
     """Up to ``count`` successful reference plays from ``seeds``, in order, none of whose
     tasks is in ``exclude`` (task keys) or repeats an earlier play's."""
     plays: list[Rollout] = []
-    seen: set[str] = set(exclude)
-    leaked = repeated = unplayable = 0
+    skipped: Counter[str] = Counter()
+    distinct = DistinctPlays(player.env_factory, player.reference, exclude)
     for seed in seeds:
         if len(plays) == count:
             break
-        env = player.env_factory()
-        task = env.reset(seed)
-        key = task_key(task.prompt, offered_tools(env, task))
-        if key in seen:
-            leaked += key in exclude
-            repeated += key not in exclude
-            continue
-        play = player.reference(seed)
-        if play is None:
-            unplayable += 1
-            continue
-        seen.add(key)
-        plays.append(play)
-    return ReferencePlays(plays, leaked, repeated, unplayable)
+        play = distinct(seed)
+        if isinstance(play, str):
+            skipped[play] += 1
+        else:
+            plays.append(play)
+    return ReferencePlays(plays, skipped["leaked"], skipped["repeated"], skipped["unplayable"])
 
 
 @dataclass(frozen=True)
@@ -149,8 +143,7 @@ class WarmStartTrainer:
             return None
         trainer = self.build(model, plays)
         self.partial_dir.mkdir(parents=True, exist_ok=True)
-        complete = [c for c in self.partial_dir.glob("checkpoint-*") if (c / "trainer_state.json").is_file()]
-        checkpoint = max(complete, key=lambda c: int(c.name.rsplit("-", 1)[1]), default=None)
+        checkpoint = latest_checkpoint(self.partial_dir)
         bar = _Progress(self.console, len(plays.plays)) if self.progress else None
         if bar is not None:
             trainer.add_callback(bar)
@@ -161,7 +154,7 @@ class WarmStartTrainer:
             plays=len(plays.plays),
             skipped={"leaked": plays.leaked, "repeated": plays.repeated, "unplayable": plays.unplayable},
             losses=[float(e["loss"]) for e in trainer.state.log_history if "loss" in e],
-            resumed_from_step=int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint else None,
+            resumed_from_step=checkpoint_step(checkpoint) if checkpoint else None,
             play_seeds=[p.seed for p in plays.plays],
         )
         staging = self.partial_dir / "adapter"
@@ -169,7 +162,7 @@ class WarmStartTrainer:
         trainer.model.save_pretrained(staging)
         fields = {k: v for k, v in dataclasses.asdict(result).items() if k != "adapter_dir"}
         (staging / RESULT_FILE).write_text(json.dumps(fields))
-        staging.rename(self.final_dir)
+        publish(staging, self.final_dir)
         shutil.rmtree(self.partial_dir, ignore_errors=True)
         return result
 

@@ -13,7 +13,7 @@ import hashlib
 import json
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from trace_plugin.records.outcome import reward_succeeds
 
@@ -209,6 +209,37 @@ def unseen_seeds(
     if not exclude:
         return list(seeds)
     return [seed for seed in seeds if seed_key(factory, seed) not in exclude]
+
+
+PlayT = TypeVar("PlayT")
+
+
+class DistinctPlays(Generic[PlayT]):
+    """Reference plays of distinct tasks, one seed at a time: ``plays(seed)`` is the play
+    (``play(seed)``), or why there is none: ``"leaked"`` (its task is one of ``exclude``,
+    an evaluated task), ``"repeated"`` (an earlier play's task) or ``"unplayable"`` (no
+    successful reference). The warm start and ``export-plays`` draw from it alike."""
+
+    def __init__(
+        self,
+        factory: Callable[[], Environment],
+        play: Callable[[int], PlayT | None],
+        exclude: Collection[str] = (),
+    ) -> None:
+        self.factory, self.play, self.exclude = factory, play, frozenset(exclude)
+        self.seen: set[str] = set()
+
+    def __call__(self, seed: int) -> PlayT | str:
+        key = seed_key(self.factory, seed)
+        if key in self.exclude:
+            return "leaked"
+        if key in self.seen:
+            return "repeated"
+        play = self.play(seed)
+        if play is None:
+            return "unplayable"
+        self.seen.add(key)
+        return play
 
 
 class Environment(Protocol):
