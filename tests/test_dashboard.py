@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -348,3 +348,24 @@ def test_the_automatic_bucket_fits_the_datas_time_range(db_url: str) -> None:
     assert "(one per day)" in client.get("/success").text  # a month of data: days
     assert "(one per minute)" in client.get("/success", params={"until": "2026-03-02T00:00"}).text
     store.close()
+
+
+def test_one_episode_filter_serves_the_store_and_the_dashboard(sqlite_url) -> None:
+    """There were two over one table: the store's took time bounds as UTC, the dashboard's
+    did not, and only the dashboard's knew the "unknown" outcome. One does both."""
+    from datetime import timedelta as td
+
+    from trace_plugin.dashboard import queries
+    from trace_plugin.store.store import EpisodeFilter
+
+    corpus = seed(sqlite_url)
+    assert queries.EpisodeFilter is EpisodeFilter
+    alpha = [e.id for e in corpus.store.iter_episodes(EpisodeFilter("alpha", outcome="unknown"))]
+    assert sorted(alpha) == sorted([corpus.ids["a4"]])  # no reward, no label: unknown
+    # A naive bound is UTC; the same instant in another zone selects the same episodes.
+    start = T0 + td(hours=26)
+    naive = EpisodeFilter("alpha", since=start.replace(tzinfo=None))
+    zoned = EpisodeFilter("alpha", since=start.astimezone(timezone(td(hours=-5))))
+    engine = corpus.store.engine
+    assert queries.count_episodes(engine, naive) == queries.count_episodes(engine, zoned) == 4
+    corpus.store.close()

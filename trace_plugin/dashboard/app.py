@@ -45,6 +45,7 @@ from trace_plugin.gateway.state import is_loopback
 from trace_plugin.payload import make_redactor
 from trace_plugin.records.outcome import outcome_of
 from trace_plugin.store import Store
+from trace_plugin.store.store import EpisodeFilter
 
 PAGE_SIZE = 50
 TOKEN_COOKIE = "trace_dashboard_token"
@@ -216,11 +217,12 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
         until: str | None = None,
         page: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 1,
     ) -> HTMLResponse:
-        where = q.EpisodeFilter(
+        source = _text(source, "source")
+        where = EpisodeFilter(
             agent=_text(agent, "agent"),
             outcome=_choice(outcome, q.OUTCOMES, "outcome"),
             status=_choice(status, q.STATUSES, "status"),
-            source=_text(source, "source"),
+            sources=(source,) if source else (),
             adapter=_text(adapter, "adapter"),
             router=_text(router, "router"),
             since=_time(since, "since"),
@@ -232,7 +234,7 @@ def create_dashboard(store: Store, admin_token: str | None = None) -> FastAPI:
             "agent": where.agent,
             "outcome": where.outcome,
             "status": where.status,
-            "source": where.source,
+            "source": source,
             "adapter": where.adapter,
             "router": where.router,
             "since": _blank(since),

@@ -25,6 +25,7 @@ from trace_plugin.records.expert import Expert
 from trace_plugin.records.job import Job
 from trace_plugin.records.router_spec import RouterSpecError, parse_router_spec, router_version
 from trace_plugin.store import Store
+from trace_plugin.store.store import EpisodeFilter
 
 MAX_CYCLES = 50  # the newest shown; the job table keeps them all
 ENDED = ("superseded", "rolled_back")  # took traffic, and no longer does
@@ -302,7 +303,7 @@ def deployments(store: Store, engine: Engine, agent: str) -> list[DeploymentView
         if d.status != "rejected":
             # To the millisecond a field holds; the end is exclusive, so the next one.
             since, until = _ms(d.created_at), _ms(d.updated_at) + MS if d.status in ENDED else None
-            where = q.EpisodeFilter(agent=agent, router=version, since=since, until=until)
+            where = EpisodeFilter(agent=agent, router=version, since=since, until=until)
             served = q.count_episodes(engine, where)
             window = {"since": _local(since), **({"until": _local(until)} if until else {})}
             episodes = "/episodes?" + urlencode({"agent": agent, "router": version, **window})

@@ -19,6 +19,7 @@ from trace_plugin.records.outcome import Outcome, outcome_clauses, outcome_of
 from trace_plugin.records.router_spec import router_version
 from trace_plugin.records.trajectory import EpisodeStatus
 from trace_plugin.store import tables as t
+from trace_plugin.store.store import EpisodeFilter
 
 Bucket = Literal["minute", "hour", "day"]
 BUCKET_STEPS: dict[Bucket, timedelta] = {
@@ -49,39 +50,6 @@ def aware(value: Any) -> Any:
     if isinstance(value, datetime) and value.tzinfo is None:
         return value.replace(tzinfo=UTC)
     return value
-
-
-@dataclass(frozen=True, slots=True)
-class EpisodeFilter:
-    """What the episode list is narrowed to; None means any."""
-
-    agent: str | None = None
-    outcome: Outcome | None = None
-    status: str | None = None
-    source: str | None = None
-    adapter: str | None = None
-    router: str | None = None  # a router version (``router_version``): what one deployment served
-    since: datetime | None = None
-    until: datetime | None = None
-
-    def clauses(self) -> list[ColumnElement[bool]]:
-        where: list[ColumnElement[bool]] = []
-        for column, value in (
-            (_e.agent, self.agent),
-            (_e.status, self.status),
-            (_e.source, self.source),
-            (_e.adapter, self.adapter),
-            (_e.router, self.router),
-        ):
-            if value is not None:
-                where.append(column == value)
-        if self.outcome is not None:
-            where.append(_OUTCOME_CLAUSES[self.outcome])
-        if self.since is not None:
-            where.append(_e.started_at >= self.since)
-        if self.until is not None:
-            where.append(_e.started_at < self.until)
-        return where
 
 
 @dataclass(frozen=True, slots=True)

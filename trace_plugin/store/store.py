@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 from sqlalchemy import Engine, bindparam, case, func, literal, or_, select, text, update
@@ -25,7 +25,7 @@ from trace_plugin.records.deployment import Deployment
 from trace_plugin.records.env_spec import EnvSpec, SpecRecord
 from trace_plugin.records.expert import Expert
 from trace_plugin.records.job import Job
-from trace_plugin.records.outcome import outcome_clauses
+from trace_plugin.records.outcome import Outcome, outcome_clauses
 from trace_plugin.records.router_spec import CorpusEntry
 from trace_plugin.records.trajectory import Episode, EpisodeEnd, Feedback, Step, utcnow
 from trace_plugin.store import tables as t
@@ -68,21 +68,32 @@ class OutcomeWindow:
 
 @dataclass(frozen=True, slots=True)
 class EpisodeFilter:
-    """Which of one agent's episodes a bulk read selects; None (or no sources) means any.
+    """Which episodes a read selects (bulk exports, the dashboard's list and counts); None
+    (or no sources) means any. ``outcome`` is the one success rule's, ``unknown`` included;
+    ``since`` is inclusive and ``until`` exclusive, on the start time (naive means UTC)."""
 
-    ``since`` is inclusive and ``until`` exclusive, on the start time (naive means UTC).
-    """
-
-    agent: str
-    outcome: Literal["success", "failure"] | None = None
+    agent: str | None = None
+    outcome: Outcome | None = None
     sources: tuple[str, ...] = ()
     since: datetime | None = None
     until: datetime | None = None
     min_reward: float | None = None
+    status: str | None = None
+    adapter: str | None = None
+    router: str | None = None  # a router version (``router_version``): what one deployment served
 
     def clauses(self) -> list[ColumnElement[bool]]:
         e = t.episodes.c
-        where: list[ColumnElement[bool]] = [e.agent == self.agent]
+        where: list[ColumnElement[bool]] = [
+            column == value
+            for column, value in (
+                (e.agent, self.agent),
+                (e.status, self.status),
+                (e.adapter, self.adapter),
+                (e.router, self.router),
+            )
+            if value is not None
+        ]
         if self.outcome is not None:
             where.append(getattr(outcome_clauses(e.label, e.reward), self.outcome))
         if self.sources:
