@@ -1,0 +1,1 @@
+"""The dashboard's routes, one APIRouter a page, over ``DashboardState``."""
