@@ -66,7 +66,7 @@ from training.checkpoints import STATE, latest_checkpoint, publish
 from training.config import PLACE_FIELDS, ExpertTrainingConfig
 from training.episodes import EpisodePlayer, Generate, HintValue, Rollout, hf_generate
 from training.progress import StepProgress
-from training.recompute import ReplayCache, recomputed
+from training.recompute import SharedPrefix, recomputed
 from training.vllm_rollouts import server_policy
 from training.warm_start import WARM_START_DIR, WarmStartResult, WarmStartTrainer
 
@@ -309,10 +309,6 @@ def shared_prefix_logps(
     ``recompute`` each decoder layer is replayed in backward instead of keeping its
     activations (``training.recompute``).
     """
-    from peft import PeftModel
-
-    unwrapped = model.get_base_model() if isinstance(model, PeftModel) else model
-    backbone = unwrapped.get_decoder()
     cut = input_ids.size(1) - logits_to_keep - 1  # the shared part: the prompt less its last token
     if cut < 1:  # one-token prompts (dropped groups' stubs): nothing to share
         labels = input_ids.masked_fill(attention_mask == 0, -100)
@@ -328,12 +324,7 @@ def shared_prefix_logps(
     logps, entropies = [], []
     for rows in groups.values():
         with recomputed(model) if recompute else nullcontext():
-            prompt = ReplayCache(unwrapped.config)
-            backbone(
-                input_ids=input_ids[rows[:1], :cut],
-                attention_mask=attention_mask[rows[:1], :cut],
-                cache=prompt,  # read by every layer, use_cache or not
-            )
+            prompt = SharedPrefix(model, input_ids[rows[:1], :cut], attention_mask[rows[:1], :cut])
             # A few rows at a time: TRL's fused head scores up to 32,768 positions in one
             # chunk, whose float32 logits over the whole vocabulary (and their softmax)
             # would otherwise be the pass's largest tensors.
@@ -345,7 +336,7 @@ def shared_prefix_logps(
                 out = model(
                     input_ids=tail,
                     attention_mask=attention_mask[chunk],
-                    cache=ReplayCache(unwrapped.config, prompt.layers_kv(len(chunk))),
+                    cache=prompt.cache(len(chunk)),
                     labels=labels,
                     fused_lm_head=True,
                 )

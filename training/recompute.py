@@ -56,6 +56,25 @@ class ReplayCache(DynamicCache):
         ]
 
 
+class SharedPrefix:
+    """A prefix (a group's prompt, a batch's opening) run once through ``model``'s decoder
+    into a ``ReplayCache``; ``cache(rows)`` is what ``rows`` continuations of it read, its
+    keys and values repeated, through which gradients reach the prefix's LoRA weights. The
+    one place both loss passes share it from."""
+
+    def __init__(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        from peft import PeftModel
+
+        unwrapped = model.get_base_model() if isinstance(model, PeftModel) else model
+        self.config = unwrapped.config
+        self.kv = ReplayCache(self.config)
+        # the cache is read by every layer, use_cache or not
+        unwrapped.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, cache=self.kv)
+
+    def cache(self, rows: int) -> ReplayCache:
+        return ReplayCache(self.config, self.kv.layers_kv(rows))
+
+
 @contextmanager
 def recomputed(model: Any) -> Iterator[None]:
     """Inside, a training pass through ``model``'s decoder layers keeps only their inputs and

@@ -41,7 +41,7 @@ from training.checkpoints import checkpoint_step, latest_checkpoint, publish
 from training.config import ExpertTrainingConfig
 from training.episodes import EpisodePlayer, Rollout
 from training.progress import StepProgress
-from training.recompute import ReplayCache, recomputed
+from training.recompute import SharedPrefix, recomputed
 
 WARM_START_DIR = "warm_start"  # the warm-started adapter, inside the expert's work directory
 RESULT_FILE = "warm_start.json"
@@ -194,8 +194,6 @@ def opening_once_forward(model: Any, input_ids: Any, attention_mask: Any, labels
     LoRA weights, so loss and gradients are those of the plain forward. Each decoder layer is
     replayed in backward instead of keeping its activations (``training.recompute``).
     """
-    from peft import PeftModel
-
     trained = (labels != -100).int()
     first_label = int(trained.argmax(dim=1).min()) if bool(trained.any()) else input_ids.size(1)
     same = (input_ids == input_ids[:1]).all(dim=0) & (attention_mask == 1).all(dim=0)
@@ -203,18 +201,12 @@ def opening_once_forward(model: Any, input_ids: Any, attention_mask: Any, labels
     cut = min(common, first_label - 1)  # the label at ``cut`` is scored from inside the opening: none
     if cut < 1:
         return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
-    unwrapped = model.get_base_model() if isinstance(model, PeftModel) else model
     with recomputed(model):  # each layer replayed in backward: its activations are not kept
-        opening = ReplayCache(unwrapped.config)
-        unwrapped.get_decoder()(
-            input_ids=input_ids[:1, :cut],
-            attention_mask=attention_mask[:1, :cut],
-            cache=opening,  # read by every layer, use_cache or not
-        )
+        opening = SharedPrefix(model, input_ids[:1, :cut], attention_mask[:1, :cut])
         return model(
             input_ids=input_ids[:, cut:],
             attention_mask=attention_mask,
-            cache=ReplayCache(unwrapped.config, opening.layers_kv(input_ids.size(0))),
+            cache=opening.cache(input_ids.size(0)),
             labels=labels[:, cut:],
             fused_lm_head=True,
         )
