@@ -80,29 +80,29 @@ training.executors.ExpertTrainer = ReportingTrainer  # what the local executor t
 
 
 class PausingImprover(Improver):
-    deploying: str | None = None  # the deployment _deploy is switching to
+    deploying: str | None = None  # the deployment deploy is switching to
     stage: str | None = None  # the stage whose job runs now
 
-    async def _job(self, cycle: str, stage: str, key: str, work: Callable[[], Any]) -> Any:
+    async def run_job(self, cycle: str, stage: str, key: str, work: Callable[[], Any]) -> Any:
         self.stage = stage
-        outputs = await super()._job(cycle, stage, key, work)
+        outputs = await super().run_job(cycle, stage, key, work)
         pause(f"{stage}:done")
         return outputs
 
-    async def _synthesize(self, capability: str) -> Synthesized:
-        outputs = await super()._synthesize(capability)
+    async def synthesize(self, capability: str) -> Synthesized:
+        outputs = await super().synthesize(capability)
         pause("synthesize:stored")
         return outputs
 
-    async def _play_spec(self, spec: EnvSpec, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
-        results = await super()._play_spec(spec, model, seeds)
+    async def play_spec(self, spec: EnvSpec, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
+        results = await super().play_spec(spec, model, seeds)
         if self.stage == "evaluate":  # the screen plays environments too
             pause("evaluate:played")
         return results
 
-    async def _deploy(self, deployment: Deployment) -> Deployed:
+    async def deploy(self, deployment: Deployment) -> Deployed:
         self.deploying = deployment.id
-        return await super()._deploy(deployment)
+        return await super().deploy(deployment)
 
 
 config = ImproverConfig(

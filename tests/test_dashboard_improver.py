@@ -173,7 +173,7 @@ def improve(url: str, root: Path) -> Improved:
     )  # fmt: skip
     improver = Improver(store, config, executor=executor, evaluator=evaluator, recorder=recorder)
     improver.gateway = Gateway()  # type: ignore[assignment]
-    improver._play_spec = play  # type: ignore[method-assign]
+    improver.play_spec = play  # type: ignore[method-assign]
     base = StaticSpec().to_dict()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(stages, "chat_player", lambda *_, **__: calibration_play)

@@ -114,11 +114,11 @@ async def test_where_the_candidate_router_chooses_none_the_live_deployment_route
     async def loaded(experts):
         return {"fmt": "fmt@1", "refusal": "refusal@2"}
 
-    monkeypatch.setattr(improver, "_load_candidates", loaded)
-    assert "fallback" not in (await improver._route({})).router.to_dict()  # nothing live: the base
+    monkeypatch.setattr(improver, "load_candidates", loaded)
+    assert "fallback" not in (await improver.route({})).router.to_dict()  # nothing live: the base
     live = {"kind": "static", "adapter": "fmt"}
     store.make_live(Deployment("c1", "a", "live", adapters={"fmt": "fmt@1"}, router=live))
-    router = (await improver._route({})).router.to_dict()
+    router = (await improver.route({})).router.to_dict()
     assert router["kind"] == "classifier" and router["fallback"] == live
     store.close()
 
@@ -172,7 +172,7 @@ async def test_the_gate_chooses_between_the_top_p_merge_and_one_expert_per_reque
         return {}
 
     monkeypatch.setattr(improver.gateway, "set_router", set_router)
-    monkeypatch.setattr(improver, "_load_candidates", loaded)
+    monkeypatch.setattr(improver, "load_candidates", loaded)
     corpus = [
         CorpusEntry(capability=c, request="r", solution="s", embedding=[1.0]) for c in ("fmt", "refusal")
     ]
@@ -308,7 +308,7 @@ async def test_the_classifier_retrieves_from_reference_plays_and_routes_a_mixtur
     config = GatewayConfig(adapter_root=tmp_path, agent="a", record=False)
     with start_in_thread(create_app(embedded_backend, config=config)) as gateway:
         improver = Improver(store, ImproverConfig("a", gateway.url, tmp_path, corpus_seeds=3))
-        router = (await improver._route(experts)).router.to_dict()
+        router = (await improver.route(experts)).router.to_dict()
         corpus = router["retrieval"]["corpus"]
         assert router["kind"] == "classifier" and router["retrieval"]["top_p"] == 0.9
         assert sorted(e["capability"] for e in corpus) == ["communicating_facts"] * 3 + ["policy_refusal"] * 3
@@ -327,12 +327,12 @@ async def test_the_classifier_retrieves_from_reference_plays_and_routes_a_mixtur
         else:
             assert model == embedded_backend.model_id
         top1 = Improver(store, ImproverConfig("a", gateway.url, tmp_path, router="top1"))
-        assert "retrieval" not in (await top1._route(experts)).router.to_dict()
+        assert "retrieval" not in (await top1.route(experts)).router.to_dict()
         # Each expert keeps its corpus: the next router reads it instead of playing and embedding again.
         kept = [entry.model_dump() for i in experts.values() for entry in store.expert(i).corpus]
         assert sorted(kept, key=json.dumps) == sorted(corpus, key=json.dumps)
         improver.gateway.embed = None  # type: ignore[assignment]  # not called again
-        assert (await improver._route(experts)).router.to_dict() == router
+        assert (await improver.route(experts)).router.to_dict() == router
 
 
 @pytest.mark.slow
@@ -362,8 +362,8 @@ async def test_a_learned_gate_is_fitted_on_practice_tasks_and_served_as_a_candid
             won = model == spec.capability
             return [EpisodeResult(s, "k", RewardBreakdown(float(won), {}), "", "") for s in seeds]
 
-        improver._play_spec = scripted
-        routing = await improver._route(experts)
+        improver.play_spec = scripted
+        routing = await improver.route(experts)
         router = routing.router.to_dict()
         assert router["kind"] == "gate" and router["choices"] == [
             None,
@@ -372,7 +372,7 @@ async def test_a_learned_gate_is_fitted_on_practice_tasks_and_served_as_a_candid
         ]
         assert routing.gate == GateFit(tasks=12, labels={"communicating_facts": 6, "policy_refusal": 6})
         # Fitted again outside a cycle (as bench/improvement.py does), from the ready experts' environments.
-        again = await improver.learned_router(await improver._load_candidates(experts))
+        again = await improver.learned_router(await improver.load_candidates(experts))
         assert again.router.to_dict() == router
         await improver.gateway.set_router(router, name="cycle-1")  # what the evaluate stage does
         served = httpx.get(f"{gateway.url}/v1/router", params={"name": "cycle-1"}).json()
@@ -463,14 +463,14 @@ def test_an_adapter_with_nan_weights_never_reaches_the_verdict(sqlite_url, tmp_p
 
     adapter = tmp_path / "fmt" / "e1"
     lora_dir(adapter, 2, {"m.q": (np.ones((2, 3), np.float32), np.full((4, 2), np.nan, np.float32))})
-    monkeypatch.setattr(improver, "_synthesize", synthesized)
-    monkeypatch.setattr(improver, "_screen", screened)
+    monkeypatch.setattr(improver, "synthesize", synthesized)
+    monkeypatch.setattr(improver, "screen", screened)
     monkeypatch.setattr(stages, "train", lambda *_: Trained("e1", str(adapter), [0.5], [0.5]))
 
     async def routed(experts):
         raise AssertionError("an adapter that cannot serve is not routed")
 
-    monkeypatch.setattr(improver, "_route", routed)
+    monkeypatch.setattr(improver, "route", routed)
     end = improver.run_cycle()
     assert end.deployed is None and "NaN or Inf" in end.reason and "NaN or Inf" in end.passed_over["fmt"]
 
@@ -491,15 +491,15 @@ def test_an_expert_no_gradient_reached_is_not_evaluated(sqlite_url, monkeypatch)
     async def screened(env):
         return Screened("base", 0.0, 0.0, True)
 
-    monkeypatch.setattr(improver, "_synthesize", synthesized)
-    monkeypatch.setattr(improver, "_screen", screened)
+    monkeypatch.setattr(improver, "synthesize", synthesized)
+    monkeypatch.setattr(improver, "screen", screened)
     noop = Trained("e1", "/adapters/fmt/e1", [0.0], [0.0], noop=True)
     monkeypatch.setattr(stages, "train", lambda *_: noop)
 
     async def routed(experts):
         raise AssertionError("a cycle of no-op experts routes nothing")
 
-    monkeypatch.setattr(improver, "_route", routed)
+    monkeypatch.setattr(improver, "route", routed)
     assert improver.run_once() is None
     # run_once returns None for a rejection too: it says which this was.
     assert "no deployment: no gradient reached the adapters of ['fmt']" in said.file.getvalue()
@@ -569,7 +569,7 @@ def test_a_capability_no_environment_can_exercise_is_passed_over_and_the_next_on
     async def screened(env):  # the live agent fails every environment
         return Screened("base", 0.0, 0.0, True)
 
-    monkeypatch.setattr(improver, "_screen", screened)
+    monkeypatch.setattr(improver, "screen", screened)
     assert improver.run_once() is None
     assert trained == ["tool_call_format"]
     jobs = {(j.stage, j.key): j for j in store.jobs("a")}
@@ -607,7 +607,7 @@ def test_a_capability_the_live_agent_already_solves_is_not_trained_and_frees_its
         return [EpisodeResult(s, "k", RewardBreakdown(float(solved)), "", "") for s in seeds]
 
     monkeypatch.setattr(improver.gateway, "set_router", set_router)
-    monkeypatch.setattr(improver, "_play_spec", play)
+    monkeypatch.setattr(improver, "play_spec", play)
     assert improver.run_once() is None
     assert trained == ["multi_step_completion"]
     assert played == [("policy_refusal", "router:c1"), ("multi_step_completion", "router:c1")]
@@ -706,12 +706,12 @@ def test_a_deployed_candidate_is_measured_once_on_the_target(sqlite_url, monkeyp
         store.make_live(deployment)
         return Deployed(deployment.id)
 
-    monkeypatch.setattr(improver, "_synthesize", synthesized)
-    monkeypatch.setattr(improver, "_screen", screened)
+    monkeypatch.setattr(improver, "synthesize", synthesized)
+    monkeypatch.setattr(improver, "screen", screened)
     monkeypatch.setattr(stages, "train", lambda *_: Trained("e1", "/adapters/fmt/e1", [0.0], [0.0]))
-    monkeypatch.setattr(improver, "_route", routed)
+    monkeypatch.setattr(improver, "route", routed)
     monkeypatch.setattr(evaluation_module, "evaluate", evaluated)
-    monkeypatch.setattr(improver, "_deploy", deployed)
+    monkeypatch.setattr(improver, "deploy", deployed)
     deployment = improver.run_once()
     assert deployment is not None and improver.live().id == deployment.id
     assert asyncio.run(improver.live_summary()) == better and played == []

@@ -81,8 +81,8 @@ def _scripted(store: Store, improver: Improver, monkeypatch: pytest.MonkeyPatch,
     async def screened(_: Synthesized) -> Screened:  # the live agent fails it
         return Screened("base", 0.0, 0.0, True)
 
-    monkeypatch.setattr(improver, "_synthesize", synthesized)
-    monkeypatch.setattr(improver, "_screen", screened)
+    monkeypatch.setattr(improver, "synthesize", synthesized)
+    monkeypatch.setattr(improver, "screen", screened)
 
 
 def test_a_rejected_cycle_names_its_experts_and_candidate_router(sqlite_url, tmp_path, monkeypatch):
@@ -102,7 +102,7 @@ def test_a_rejected_cycle_names_its_experts_and_candidate_router(sqlite_url, tmp
     async def evaluated(improver, cycle, experts, routing, screened) -> Evaluation:  # no better than the base
         return Evaluation({"fmt": "fmt@e1"}, routing.router, {"fmt": Scores(0.5, 0.5, 0.5)})
 
-    monkeypatch.setattr(improver, "_route", routed)
+    monkeypatch.setattr(improver, "route", routed)
     monkeypatch.setattr(evaluation_module, "evaluate", evaluated)
     end = improver.run_cycle()
     assert end.deployed is None and end.reason == "no capability improved on its held-out seeds"

@@ -41,12 +41,12 @@ from trace_plugin.records.router_spec import ClassifierSpec, RouterSpec
 TOP1 = 1e-6  # a top-p so small that the nucleus is the likeliest label alone
 
 if TYPE_CHECKING:
-    from trace_plugin.improver.loop import Improver
+    from trace_plugin.improver.context import CycleContext
     from trace_plugin.store import Store
 
 
 async def evaluate(
-    improver: Improver,
+    improver: CycleContext,
     cycle: str,
     experts: dict[str, str],
     routing: Routing,
@@ -56,7 +56,7 @@ async def evaluate(
     gateway. Where ``screened`` already played the live agent on a capability's held-out
     seeds (before training: the live agent has not changed since), that is its score."""
     config, console = improver.config, improver.console
-    adapters = await improver._load_candidates(experts)  # again: the gateway may have restarted
+    adapters = await improver.load_candidates(experts)  # again: the gateway may have restarted
     await improver.gateway.set_router(routing.router, name=cycle)
     live = await improver.live_model()
     capabilities: dict[str, Scores] = {}
@@ -67,7 +67,7 @@ async def evaluate(
         scored = {before.served: before.mean_reward} if before is not None else {}
         for model in ("base", live, name):
             if model not in scored:
-                scored[model] = mean_reward(await improver._play_spec(spec, model, seeds))
+                scored[model] = mean_reward(await improver.play_spec(spec, model, seeds))
         base, current, candidate = scored["base"], scored[live], scored[name]
         capabilities[capability] = Scores(base=base, current=current, candidate=candidate)
         console.log(f"{capability}: base {base:.2f}, live {current:.2f}, candidate {candidate:.2f}")
@@ -169,7 +169,7 @@ def episode_turns(config: ImproverConfig, spec: EnvSpec) -> int:
 
 
 async def play_spec(
-    improver: Improver, spec: EnvSpec, model: str, seeds: Sequence[int]
+    improver: CycleContext, spec: EnvSpec, model: str, seeds: Sequence[int]
 ) -> list[EpisodeResult]:
     """Play a synthesized environment as ``model`` through the gateway, as the expert was trained."""
     config = improver.config
@@ -188,7 +188,7 @@ async def play_spec(
     return await runner.run(seeds, description=f"{spec.name} as {model}")
 
 
-async def chat_evaluator(improver: Improver, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
+async def chat_evaluator(improver: CycleContext, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
     """The default target evaluation: a chat loop with the agent's prompt and few-shot."""
     config = improver.config
     if config.target is None:

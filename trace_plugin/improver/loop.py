@@ -129,15 +129,15 @@ class Improver:
 
     async def _cycle(self, cycle: str) -> CycleEnd:
         agent = self.config.agent
-        mined: Mined = await self._job(cycle, "mine", "all", lambda: stages.mine(self))
+        mined: Mined = await self.run_job(cycle, "mine", "all", lambda: stages.mine(self))
         trained: dict[str, Trained] = {}
         screened: dict[str, Screened] = {}
         untrained: dict[str, str] = {}  # capability -> why it was not trained
         for capability in mined.train:
             if len(trained) == self.config.max_experts:
                 break
-            env: Synthesized = await self._job(
-                cycle, "synthesize", capability, lambda c=capability: self._synthesize(c)
+            env: Synthesized = await self.run_job(
+                cycle, "synthesize", capability, lambda c=capability: self.synthesize(c)
             )
             if not env.trainable:
                 untrained[capability] = f"environment {env.status}" + (
@@ -145,13 +145,15 @@ class Improver:
                 )
                 self.console.log(f"[yellow]{capability}: {untrained[capability]}; not trained[/]")
                 continue
-            screened[capability] = await self._job(cycle, "screen", capability, lambda e=env: self._screen(e))
+            screened[capability] = await self.run_job(
+                cycle, "screen", capability, lambda e=env: self.screen(e)
+            )
             if not screened[capability].train:  # its slot goes to the next capability
                 untrained[capability] = (
                     f"the live agent already succeeds {screened[capability].success:.2f} in its environment"
                 )
                 continue
-            trained[capability] = await self._job(
+            trained[capability] = await self.run_job(
                 cycle, "train", capability, lambda c=capability, e=env: stages.train(self, cycle, c, e)
             )
         live_scores = {capability: s.success for capability, s in screened.items()}
@@ -175,11 +177,11 @@ class Improver:
             )
             end = CycleEnd(None, reason, trained, live_scores=live_scores, passed_over=untrained)
             return self._finish(cycle, end)
-        routing: Routing = await self._job(cycle, "route", "all", lambda: self._route(experts))
-        scores: Evaluation = await self._job(
+        routing: Routing = await self.run_job(cycle, "route", "all", lambda: self.route(experts))
+        scores: Evaluation = await self.run_job(
             cycle, "evaluate", "all", lambda: evaluation.evaluate(self, cycle, experts, routing, screened)
         )
-        verdict: Verdict = await self._job(cycle, "verdict", "all", lambda: self._judge(scores))
+        verdict: Verdict = await self.run_job(cycle, "verdict", "all", lambda: self._judge(scores))
         # Recorded "rejected" until the deploy stage makes it live (a resumed cycle finds it).
         stored = scores.to_dict()
         deployment = next((d for d in self.store.deployments(agent) if d.id == cycle), None) or Deployment(
@@ -192,10 +194,10 @@ class Improver:
             reasons=list(verdict.reasons),
         )
         if verdict.accept:
-            await self._job(cycle, "deploy", "all", lambda: self._deploy(deployment))
+            await self.run_job(cycle, "deploy", "all", lambda: self.deploy(deployment))
             if scores.target is not None:  # now the live deployment's measurement: not played again
                 measured, key = scores.target.candidate, evaluation.live_key(cycle, self.config.target_seeds)
-                await self._job("evaluations", "target", key, lambda: measured)
+                await self.run_job("evaluations", "target", key, lambda: measured)
         else:
             self.store.save_deployment(deployment)
             self.console.log(f"[yellow]deployment {cycle} rejected: {'; '.join(verdict.reasons)}[/]")
@@ -215,7 +217,7 @@ class Improver:
         self.store.save_job(job)
         return end
 
-    async def _job(
+    async def run_job(
         self, cycle: str, stage: str, key: str, work: Callable[[], OutputT | Awaitable[OutputT]]
     ) -> OutputT:
         """Run ``work`` as a persisted job, or return what a finished run of it produced.
@@ -247,18 +249,18 @@ class Improver:
         self.store.save_job(job)
         return cast(OutputT, outputs)
 
-    # -- stages (methods where a subclass or a test steps in) ----------------------------------
+    # -- stages: public, so that a subclass or a test may step in ------------------------------
 
-    async def _synthesize(self, capability: str) -> Synthesized:
+    async def synthesize(self, capability: str) -> Synthesized:
         return await stages.synthesize(self, capability)
 
-    async def _screen(self, env: Synthesized) -> Screened:
+    async def screen(self, env: Synthesized) -> Screened:
         return await stages.screen(self, env)
 
-    async def _load_candidates(self, experts: dict[str, str]) -> dict[str, str]:
+    async def load_candidates(self, experts: dict[str, str]) -> dict[str, str]:
         return await stages.load_candidates(self, experts)
 
-    async def _route(self, experts: dict[str, str]) -> Routing:
+    async def route(self, experts: dict[str, str]) -> Routing:
         return await stages.route(self, experts)
 
     async def learned_router(
@@ -274,10 +276,10 @@ class Improver:
         )
         return verdict
 
-    async def _deploy(self, deployment: Deployment) -> Deployed:
+    async def deploy(self, deployment: Deployment) -> Deployed:
         return await stages.deploy(self, deployment)
 
-    async def _play_spec(self, spec: EnvSpec, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
+    async def play_spec(self, spec: EnvSpec, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
         return await evaluation.play_spec(self, spec, model, seeds)
 
     async def _chat_evaluator(self, model: str, seeds: Sequence[int]) -> list[EpisodeResult]:
@@ -296,7 +298,7 @@ class Improver:
         async def measure() -> Summary:
             return evaluation.summary(await self.evaluator(await self.live_model(), seeds))
 
-        return await self._job(
+        return await self.run_job(
             "evaluations", "target", evaluation.live_key(live.id if live else None, seeds), measure
         )
 

@@ -14,10 +14,10 @@ from trace_plugin.records.router_spec import StaticSpec, router_version
 from trace_plugin.records.trajectory import utcnow
 
 if TYPE_CHECKING:
-    from trace_plugin.improver.loop import Improver
+    from trace_plugin.improver.context import CycleContext
 
 
-def due(improver: Improver) -> bool:
+def due(improver: CycleContext) -> bool:
     """Whether a trigger fired: new labeled episodes, the failure rate, or the schedule.
     Never while a canary is on trial: its verdict comes first."""
     store, config = improver.store, improver.config
@@ -39,7 +39,7 @@ def due(improver: Improver) -> bool:
     return False
 
 
-def monitor(improver: Improver) -> Deployment | None:
+def monitor(improver: CycleContext) -> Deployment | None:
     """Judge a canary on trial (``judge_canary``), else roll the live deployment back
     when its success rate fell below the previous one's. Returns what is live after a change."""
     trial = improver.canary()
@@ -75,7 +75,7 @@ def monitor(improver: Improver) -> Deployment | None:
     return previous
 
 
-def judge_canary(improver: Improver, trial: Deployment) -> Deployment | None:
+def judge_canary(improver: CycleContext, trial: Deployment) -> Deployment | None:
     """Once the canary and the rest of the traffic each have ``monitor_window`` episodes
     with an outcome since it went out, promote it, or roll it back when its success rate
     is more than ``rollback_drop`` below the rest's. None while the window fills, until
@@ -113,7 +113,7 @@ def judge_canary(improver: Improver, trial: Deployment) -> Deployment | None:
     return trial
 
 
-def _roll_back_canary(improver: Improver, trial: Deployment, reason: str) -> Deployment | None:
+def _roll_back_canary(improver: CycleContext, trial: Deployment, reason: str) -> Deployment | None:
     """All the traffic back to the live deployment (the base model without one); returns it."""
     live = improver.live()
     asyncio.run(improver.gateway.set_router(live.router if live else StaticSpec().to_dict()))

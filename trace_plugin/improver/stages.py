@@ -46,10 +46,10 @@ from trace_plugin.records.router_spec import (
 from trace_plugin.store import Store
 
 if TYPE_CHECKING:
-    from trace_plugin.improver.loop import Improver
+    from trace_plugin.improver.context import CycleContext
 
 
-def mine(improver: Improver) -> Mined:
+def mine(improver: CycleContext) -> Mined:
     """Mine the traffic the live deployment served (all of it before the first), and list
     the selected capabilities to try, best first, those no live expert covers before those
     one does: each cycle looks for the improved agent's next deficit, not for the failures an
@@ -68,7 +68,7 @@ def mine(improver: Improver) -> Mined:
     return Mined(selected=selected, covered=sorted(covered), train=train, mining_run=run)
 
 
-async def synthesize(improver: Improver, capability: str) -> Synthesized:
+async def synthesize(improver: CycleContext, capability: str) -> Synthesized:
     """The capability's environment, synthesized and (optionally) calibrated on the base model."""
     store, config = improver.store, improver.config
     found = [c for c in store.capabilities(config.agent) if c.name == capability]
@@ -112,7 +112,7 @@ async def synthesize(improver: Improver, capability: str) -> Synthesized:
     return Synthesized(env=record.spec.name, version=record.version, status=record.status)
 
 
-async def screen(improver: Improver, env: Synthesized) -> Screened:
+async def screen(improver: CycleContext, env: Synthesized) -> Screened:
     """The live agent, as it serves now, in the capability's new environment: trained only
     if it still fails there (success below ``retrain_below``). Selection reads the base
     model's failures in old traffic; this asks whether they are still the agent's."""
@@ -121,7 +121,7 @@ async def screen(improver: Improver, env: Synthesized) -> Screened:
     if record is None:
         raise ImproverError(f"environment {env.env} v{env.version} is not in the store")
     served = await improver.live_model()
-    results = await improver._play_spec(record.spec, served, HELD_OUT_SEEDS[: config.eval_seeds])
+    results = await improver.play_spec(record.spec, served, HELD_OUT_SEEDS[: config.eval_seeds])
     success = sum(reward_succeeds(r.reward.total) for r in results) / len(results)
     screened = Screened(
         served=served,
@@ -136,7 +136,7 @@ async def screen(improver: Improver, env: Synthesized) -> Screened:
     return screened
 
 
-def train(improver: Improver, cycle: str, capability: str, env: Synthesized) -> Trained:
+def train(improver: CycleContext, cycle: str, capability: str, env: Synthesized) -> Trained:
     """Train the capability's expert in its environment (the executor may run it elsewhere)."""
     from training.executors import LocalExecutor, TrainingJob
     from training.lora import is_noop
@@ -240,7 +240,7 @@ def evaluated_task_keys(config: ImproverConfig, spec: EnvSpec, store: Store) -> 
     return keys
 
 
-async def load_candidates(improver: Improver, experts: dict[str, str]) -> dict[str, str]:
+async def load_candidates(improver: CycleContext, experts: dict[str, str]) -> dict[str, str]:
     """The live experts plus this cycle's, every one loaded: capability -> served name."""
     live = improver.live()
     adapters = dict(live.adapters) if live else {}
@@ -253,11 +253,11 @@ async def load_candidates(improver: Improver, experts: dict[str, str]) -> dict[s
     return adapters
 
 
-async def route(improver: Improver, experts: dict[str, str]) -> Routing:
+async def route(improver: CycleContext, experts: dict[str, str]) -> Routing:
     """The candidate router: a gate fitted to which choice (the base model or an expert)
     won each practice task; or else one expert takes everything, and several are classified
     by the base model (``top1``: hard; ``classifier``: TRACE's retrieval and top-p mixture)."""
-    adapters = await improver._load_candidates(experts)
+    adapters = await improver.load_candidates(experts)
     config = improver.config
     if config.router == "gate":
         return await improver.learned_router(adapters, experts)
@@ -307,7 +307,7 @@ async def retrieval_corpus(
 
 
 async def learned_router(
-    improver: Improver, adapters: dict[str, str], experts: dict[str, str] | None = None
+    improver: CycleContext, adapters: dict[str, str], experts: dict[str, str] | None = None
 ) -> Routing:
     """A learned per-layer gate over the base model and ``adapters`` (capability -> served
     name), fitted on practice tasks of their environments: which choice won each.
@@ -319,7 +319,7 @@ async def learned_router(
     from training.gate import fit_gate
 
     async def play(spec: EnvSpec, model: str, seeds: Sequence[int]) -> list[float]:
-        return [r.reward.total for r in await improver._play_spec(spec, model, seeds)]
+        return [r.reward.total for r in await improver.play_spec(spec, model, seeds)]
 
     names = {capability: split_name(name)[0] for capability, name in adapters.items()}
     router, report = await fit_gate(
@@ -358,7 +358,7 @@ def router_spec(
     return ClassifierSpec(experts=experts, retrieval=Retrieval(corpus=corpus, top_p=top_p), fallback=fallback)
 
 
-async def deploy(improver: Improver, deployment: Deployment) -> Deployed:
+async def deploy(improver: CycleContext, deployment: Deployment) -> Deployed:
     """Switch the live router, or with ``canary`` set send that share of the traffic to the
     deployment on trial; confirm the gateway serves exactly what was evaluated."""
     gateway = improver.gateway
@@ -388,7 +388,7 @@ def canary_router(live: Deployment | None, canary: Deployment, share: float) -> 
     return CanarySpec(share=share, main=main, candidate=canary.router).to_dict()
 
 
-async def restore(improver: Improver) -> Deployment | None:
+async def restore(improver: CycleContext) -> Deployment | None:
     """Serve the live deployment again on a gateway that restarted (one starts on the base
     model): its adapters, then its router, with a canary on trial beside it. None when
     nothing is live or on trial."""
