@@ -5,7 +5,8 @@ Side by side in one run:
   decorated, in alternating blocks, with a zero-latency model and with 50 ms latency.
   The decorated time includes draining the recorder's queue, so no work hides in a backlog.
   With the zero-latency model a third block binds an empty callback handler: what
-  LangChain's callback dispatch costs on its own, before any capture work. Each ratio comes
+  LangChain's callback dispatch costs on its own, before any capture work, and a fourth
+  captures with ``redact=True``: what masking PII costs inside the agent. Each ratio comes
   with a 95% interval from resampling its blocks: what this run's own noise allows;
 - sustained events/s from the recorder into SQLite and into PostgreSQL;
 - events lost anywhere in the run (expected against stored rows);
@@ -85,10 +86,12 @@ class EmptyHandler(BaseCallbackHandler):
 
 
 class Overhead(NamedTuple):
-    """Each block's seconds undecorated and decorated, and (if timed) the empty handler's in all."""
+    """Each block's seconds undecorated and decorated, and (if timed) the empty handler's
+    and the redacting capture's in all."""
 
     blocks: tuple[tuple[float, float], ...]
     dispatch: float | None
+    redacted: float | None = None
 
     @property
     def plain(self) -> float:
@@ -133,6 +136,12 @@ def overhead(
     }
     if dispatch:
         variants["empty"] = (make_agent(latency).with_config(callbacks=[EmptyHandler()]), None)
+        variants["redacted"] = (
+            trace_plugin.capture(agent=f"bench-{latency}-redacted", recorder=recorder, redact=True)(
+                make_agent(latency)
+            ),
+            recorder,
+        )
     time_runs(variants["plain"][0], 5, None)  # warm every path (imports, first compile)
     time_runs(variants["decorated"][0], 5, recorder)
     seconds: dict[str, list[float]] = {name: [] for name in variants}
@@ -142,7 +151,9 @@ def overhead(
             graph, drained = variants[name]
             seconds[name].append(time_runs(graph, per_block, drained))
     blocks_seconds = tuple(zip(seconds["plain"], seconds["decorated"], strict=True))
-    return Overhead(blocks_seconds, sum(seconds["empty"]) if dispatch else None)
+    if not dispatch:
+        return Overhead(blocks_seconds, None)
+    return Overhead(blocks_seconds, sum(seconds["empty"]), sum(seconds["redacted"]))
 
 
 def events_per_second(url: str, n_steps: int) -> tuple[float, int]:
@@ -261,7 +272,7 @@ def main() -> None:
         recorder.store.upgrade()
         fast = overhead(0.0, runs_fast, max(3, runs_fast // 100), recorder, dispatch=True)
         slow = overhead(0.05, runs_slow, 5, recorder)
-        expected_runs = runs_fast + runs_slow + 10  # + 2 × 5 warm-up runs
+        expected_runs = 2 * runs_fast + runs_slow + 10  # decorated and redacting runs, + 2 × 5 warm-up runs
         agent_lost = expected_runs * EVENTS_PER_RUN - count_events(recorder)
         recorder.close()
         sqlite_rate, sqlite_lost = events_per_second(f"sqlite:///{Path(tmp) / 'throughput.db'}", n_events)
@@ -290,9 +301,11 @@ def main() -> None:
         table.add_row(label, str(runs), *cells, target)
     console.print(table)
     dispatch_only, beyond = fast.dispatch / fast.plain, fast.decorated / fast.dispatch
+    redacted = fast.redacted / fast.plain
     console.print(
         f"0 ms, same run: an empty LangChain handler costs {dispatch_only:.3f}x undecorated "
-        f"({fast.dispatch:.2f} s); capture costs {beyond:.3f}x that"
+        f"({fast.dispatch:.2f} s); capture costs {beyond:.3f}x that; capture with redact=True "
+        f"{redacted:.3f}x undecorated"
     )
     table = Table(title="Recorder throughput (episodes of 10 steps, one submitting thread)")
     for col in ("store", "events", "events/s", "lost", "target"):
@@ -322,6 +335,7 @@ def main() -> None:
                 "ratio_50ms": round(slow.ratio, 4),
                 "ratio_dispatch_only": round(dispatch_only, 4),
                 "ratio_beyond_dispatch": round(beyond, 4),
+                "ratio_redacted": round(redacted, 4),
                 "sqlite_events_per_s": round(sqlite_rate),
                 "postgres_events_per_s": None if pg_rate is None else round(pg_rate),
                 "lost_events": lost,
