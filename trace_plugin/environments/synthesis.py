@@ -237,32 +237,32 @@ class Interface:
             binding = self._bind(schema)
             if binding is not None:
                 self.bindings[binding.name] = binding
-        shown = self.observations.preconditions
         for name, binding in list(self.bindings.items()):
-            # A write the traffic says nothing about needs what another write on its table
-            # needs ("identify the user before changing anything").
-            precondition = (
-                shown.get(name)
-                or next(
-                    (
-                        shown[other.name]
-                        for other in self.bindings.values()
-                        if other.behaviour == "update"
-                        and other.table == binding.table
-                        and shown.get(other.name)
-                        and shown[other.name].tools
-                    ),
-                    None,
-                )
-                if binding.behaviour == "update"
-                else None
-            )
+            precondition = self._precondition(binding) if binding.behaviour == "update" else None
             requires = (
                 [t for t in precondition.tools if t in self.bindings and t != name] if precondition else []
             )
-            if requires:
-                update = {"requires": requires, "requires_error": precondition.error}  # type: ignore[union-attr]
+            if precondition is not None and requires:
+                update = {"requires": requires, "requires_error": precondition.error}
                 self.bindings[name] = binding.model_copy(update=update)
+
+    def _precondition(self, write: ToolSpec) -> Precondition | None:
+        """What the traffic showed ``write`` needs; for a write it says nothing about, what
+        another write on its table needs ("identify the user before changing anything")."""
+        shown = self.observations.preconditions
+        if write.name in shown:
+            return shown[write.name]
+        return next(
+            (
+                shown[other.name]
+                for other in self.bindings.values()
+                if other.behaviour == "update"
+                and other.table == write.table
+                and other.name in shown
+                and shown[other.name].tools
+            ),
+            None,
+        )
 
     def _id_column(self, noun: str) -> Column:
         examples = self.observations.values.get(f"{noun}_id", ())
