@@ -256,3 +256,18 @@ def test_queued_records_are_invisible_to_the_garbage_collector(sqlite_url):
     assert llm.output == {"role": "assistant", "content": "ok"} and tool.error == "ValueError: no such order"
     assert [s["function"]["name"] for s in rec.store.tool_schemas("gc-agent")] == ["get_order"]
     rec.close()
+
+
+def test_a_read_only_postgres_database_counts_what_it_could_not_store(pg_url):
+    """The same on PostgreSQL, where a read-only transaction refuses each record: closing
+    within its timeout, nothing written, everything counted."""
+    Store(pg_url).upgrade()
+    rec = Recorder(f"{pg_url}?options=-c%20default_transaction_read_only%3Don", retry_interval=0.05)
+    episodes = [Episode(new_id(), "ro") for _ in range(3)]
+    for episode in episodes:
+        rec.submit(episode)
+    started = time.monotonic()
+    rec.close(2.0)
+    assert time.monotonic() - started < 2.5
+    assert rec.written == 0 and rec.dropped == len(episodes)
+    assert Store(pg_url).count("episodes") == 0
