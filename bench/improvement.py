@@ -81,11 +81,12 @@ from training.lora import is_noop  # noqa: E402
 
 # Quick is the demo's (one cycle). The default plays 48 test tasks (six per kind) over two
 # cycles of 64 traffic tasks each (at 48 the mined deficit passed the rule in 7 of 10
-# runs, one short of K), with 80 rollouts offered per expert (20 optimizer steps of one
-# group of 4, fewer when GRPO stops flat), the gate deciding on 24 other test tasks.
+# runs, one short of K), with up to two experts a cycle and three in all, 80 rollouts
+# offered per expert (20 optimizer steps of one group of 4, fewer when GRPO stops flat),
+# the gate deciding on 24 other test tasks.
 BENCH_PRESETS = {
     "quick": PRESETS["quick"],
-    "default": Preset(48, 64, 80, 2, 4, 2, 5, 8, cycles=2, gate_tasks=24),
+    "default": Preset(48, 64, 80, 2, 4, 2, 5, 8, cycles=2, gate_tasks=24, max_capabilities=3),
 }
 # The target's tasks need the support agent's whole horizon and reply length, as served.
 HORIZON = {"max_turns": 6, "max_completion_length": 96}

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from chat import chat
@@ -20,6 +21,7 @@ from trace_plugin.environments.base import RewardBreakdown
 from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.improver import GateFit, Improver, ImproverConfig, Verdict, judge, router_spec
 from trace_plugin.records.deployment import Deployment
+from trace_plugin.records.expert import Expert
 from trace_plugin.records.job import Job
 from trace_plugin.records.router_spec import CorpusEntry
 from trace_plugin.records.trajectory import Episode, EpisodeEnd, new_id, utcnow
@@ -273,7 +275,6 @@ def _two_experts(store: Store, model_dir, root) -> dict[str, str]:
     """Two ready experts of synthesized retail capabilities (random adapters): capability -> id."""
     from trace_plugin.environments.retail import RetailEnv
     from trace_plugin.environments.synthesis import synthesize
-    from trace_plugin.records.expert import Expert
     from training.lora import random_adapter
 
     experts = {}
@@ -518,7 +519,7 @@ def test_an_expert_no_gradient_reached_is_not_evaluated(sqlite_url, monkeypatch)
 
 
 def _selecting(
-    store: Store, monkeypatch, names: list[str], *, unsynthesizable: str = ""
+    store: Store, monkeypatch, names: list[str], *, unsynthesizable: str = "", **config: Any
 ) -> tuple[Improver, list]:
     """An improver (at most one expert a cycle) whose mining selects ``names``, each given a
     retail environment but ``unsynthesizable``, and whose training records the capability it
@@ -530,7 +531,7 @@ def _selecting(
     from trace_plugin.records.env_spec import SpecError
 
     store.save_capabilities("a", [Capability(n, n, "detector", True, {}, mining_run="r1") for n in names])
-    config = ImproverConfig("a", "http://127.0.0.1:9", store.url, calibrate=False, max_experts=1)
+    settings = {"calibrate": False, "max_experts": 1, **config}
     monkeypatch.setattr(stages, "mine", lambda _: Mined(selected=names, covered=[], train=names))
 
     async def prepare(store, agent, capability, **_):
@@ -549,7 +550,31 @@ def _selecting(
 
     monkeypatch.setattr(stages, "prepare_environment", prepare)
     monkeypatch.setattr(stages, "train", train)
-    return Improver(store, config), trained
+    return Improver(store, ImproverConfig("a", "http://127.0.0.1:9", store.url, **settings)), trained
+
+
+def test_max_capabilities_caps_the_experts_over_all_cycles_but_not_a_retrain(sqlite_url, monkeypatch):
+    """The headline's preset trains three experts in all over two cycles of two: a cycle
+    trains a new capability only while the agent's ready experts cover fewer than
+    ``max_capabilities``, and retraining a covered one adds none."""
+    from trace_plugin.improver import CycleEnd, Screened
+
+    store = Store(sqlite_url)
+    store.upgrade()
+    for capability in ("tool_call_format", "write_completion"):
+        store.save_expert(Expert("a", capability, f"{capability}-env", 1, "embedded", "", {}, status="ready"))
+    names = ["argument_grounding", "write_completion", "policy_refusal"]
+    improver, trained = _selecting(store, monkeypatch, names, max_experts=2, max_capabilities=2)
+
+    async def screened(env):
+        return Screened("base", 0.0, 0.0, True)
+
+    monkeypatch.setattr(improver, "screen", screened)
+    improver.run_once()
+    assert trained == ["write_completion"]  # covered: a retrain; the two others are new
+    end = CycleEnd.from_dict(next(j for j in store.jobs("a") if j.stage == "cycle").outputs)
+    assert "at most 2" in end.passed_over["argument_grounding"]
+    assert "at most 2" in end.passed_over["policy_refusal"]
 
 
 def test_a_capability_no_environment_can_exercise_is_passed_over_and_the_next_one_trains(
@@ -720,7 +745,6 @@ def test_a_deployed_candidate_is_measured_once_on_the_target(sqlite_url, monkeyp
 def test_a_restarted_gateway_is_given_the_live_deployment_again(sqlite_url, monkeypatch):
     """A gateway starts on the base model: restore loads the live adapters, then its router."""
     from trace_plugin.improver import DeployError
-    from trace_plugin.records.expert import Expert
 
     store = Store(sqlite_url)
     store.upgrade()

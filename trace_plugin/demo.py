@@ -75,6 +75,7 @@ class Preset:
     # the "after" is not measured on the tasks that let the candidate through.
     gate_tasks: int = 8
     reference_plays: int = 48  # the warm start's plays per expert, apart from the rollouts
+    max_capabilities: int | None = None  # experts in all, over every cycle (None: no cap)
 
 
 PRESETS = {
@@ -278,6 +279,7 @@ class SupportStack:
                 reported_seeds=reported,
                 min_new_episodes=0,
                 max_experts=preset.max_experts,
+                max_capabilities=preset.max_capabilities,
                 calibration_seeds=preset.calibration_seeds,
                 calibration_samples=preset.calibration_samples,
                 calibration_attempts=preset.calibration_attempts,

@@ -61,6 +61,10 @@ class ImproverConfig:
     every_seconds: float | None = None  # or: a schedule
     # mining and synthesis
     max_experts: int = 2  # capabilities trained per cycle, best ranked first
+    # Capabilities the agent may have experts for in all, over every cycle (None: no cap):
+    # each one serves as an adapter, and each costs a cycle's training. Retraining a covered
+    # capability adds none.
+    max_capabilities: int | None = None
     calibrate: bool = True
     calibration_seeds: int = 8
     calibration_samples: int = 4

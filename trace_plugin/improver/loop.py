@@ -133,9 +133,17 @@ class Improver:
         trained: dict[str, Trained] = {}
         screened: dict[str, Screened] = {}
         untrained: dict[str, str] = {}  # capability -> why it was not trained
+        covered = {e.capability for e in self.store.experts(agent) if e.status == "ready"}
+        cap = self.config.max_capabilities
         for capability in mined.train:
             if len(trained) == self.config.max_experts:
                 break
+            new = {c for c in [*trained, capability] if c not in covered}
+            if cap is not None and len(covered) + len(new) > cap:
+                untrained[capability] = (
+                    f"the agent has experts for {len(covered)} capabilities of at most {cap}"
+                )
+                continue
             env: Synthesized = await self.run_job(
                 cycle, "synthesize", capability, lambda c=capability: self.synthesize(c)
             )
