@@ -36,7 +36,7 @@ from support.dashboards import (
     values,
 )
 
-from trace_plugin.dashboard import create_dashboard
+from trace_plugin.dashboard import create_dashboard, improver_page
 from trace_plugin.environments.base import RewardBreakdown
 from trace_plugin.environments.planted import corpus
 from trace_plugin.environments.retail import TOOLS
@@ -334,6 +334,35 @@ def test_the_improver_page_without_an_improver_and_for_another_agent(sqlite_url:
     bad = client.get("/improver", params={"agent": "a\x00"})
     assert bad.status_code == 400 and "<h1>400</h1>" in bad.text
     assert client.get("/episodes", params={"router": "a\x00"}).status_code == 400
+    store.close()
+
+
+def test_stage_outputs_this_version_cannot_read_leave_their_stage_missing(sqlite_url: str) -> None:
+    """The page reads each job's outputs as its stage's typed output: a job written by another
+    version (a key missing, a router kind unknown here) shows its stage as missing, and a
+    router it cannot parse still shows its kind and version, never a broken page."""
+    from trace_plugin.records.job import Job
+
+    store = Store(sqlite_url)
+    store.upgrade()
+    unknown = {"kind": "orchestrator", "experts": ["a@1"]}
+    for stage, key, outputs in [
+        ("mine", "all", {"selected": ["fmt"]}),  # no "covered" nor "train"
+        ("synthesize", "fmt", {"env": "fmt-env", "version": 1, "status": "validated"}),
+        ("train", "fmt", {"adapter": "/x"}),  # no expert id nor curve
+        ("route", "all", {"router": unknown}),
+        ("verdict", "all", {"accept": True, "reasons": ["ok"]}),
+        ("cycle", "all", {"reason": "not yet"}),  # no "deployed"
+    ]:
+        job = Job("a", "c1", stage, key)
+        job.status, job.outputs = "done", outputs
+        store.save_job(job)
+    html = TestClient(create_dashboard(store)).get("/improver", params={"agent": "a"}).text
+    assert "fmt-env" in html and "orchestrator" in html and router_version(unknown) in html
+    [cycle] = improver_page.cycles(store, "a")
+    assert cycle.mined is None and cycle.trained == [] and cycle.accept is True
+    assert cycle.composed is not None and cycle.composed.adapters == []
+    assert cycle.ended_because is None and cycle.deployed is None
     store.close()
 
 

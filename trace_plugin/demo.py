@@ -40,10 +40,10 @@ from trace_plugin.errors import TracePluginError
 from trace_plugin.gateway.backend import Engine
 from trace_plugin.improver import Improver, ImproverConfig
 from trace_plugin.improver.evaluation import TOP1, lacking_transfer, live_key
-from trace_plugin.improver.outputs import Mined
 from trace_plugin.model_files import Precision
 from trace_plugin.records.job import job_id
 from trace_plugin.records.outcome import reward_succeeds
+from trace_plugin.records.stage_outputs import Mined
 from trace_plugin.stage_results import StageResults
 from trace_plugin.store import Store, data_dir
 

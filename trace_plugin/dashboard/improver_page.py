@@ -1,18 +1,17 @@
 """The Improver page's view of the store: each cycle from its jobs, each expert's training
 curves, each deployment with what it served.
 
-The job ledger holds what each stage handed the next (``trace_plugin.improver.outputs``) as
-plain dicts. The dashboard sits beside the improver in the layers and may not import it, so
-it reads those dicts as stored; a key an older job lacks shows as missing, never as a
-broken page.
+The job ledger holds what each stage handed the next as plain dicts; the page reads them
+back as the stage's typed output (``trace_plugin.records.stage_outputs``). A job this
+version cannot read (older or newer) shows its stage as missing, never as a broken page.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlencode
 
 from sqlalchemy import Engine
@@ -23,13 +22,26 @@ from trace_plugin.records.deployment import Deployment
 from trace_plugin.records.env_spec import SpecRecord
 from trace_plugin.records.expert import Expert
 from trace_plugin.records.job import Job
-from trace_plugin.records.router_spec import RouterSpecError, parse_router_spec, router_version
+from trace_plugin.records.router_spec import router_version
+from trace_plugin.records.stage_outputs import (
+    CycleEnd,
+    Evaluation,
+    Mined,
+    Output,
+    Routing,
+    Screened,
+    Summary,
+    Synthesized,
+    Trained,
+    Verdict,
+)
 from trace_plugin.store import Store
 from trace_plugin.store.store import EpisodeFilter
 
 MAX_CYCLES = 50  # the newest shown; the job table keeps them all
 ENDED = ("superseded", "rolled_back")  # took traffic, and no longer does
 MS = timedelta(milliseconds=1)  # a datetime-local field holds milliseconds at most
+OutputT = TypeVar("OutputT", bound=Output)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,10 +161,6 @@ def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _strings(value: Any) -> list[str]:
-    return [str(v) for v in value] if isinstance(value, list) else []
-
-
 def _training(expert: Expert | None) -> tuple[int | None, int | None, bool]:
     """Its rollout budget and warm-start plays: those it used, or for an expert from before
     they were kept the most its training config allowed (and False)."""
@@ -162,31 +170,40 @@ def _training(expert: Expert | None) -> tuple[int | None, int | None, bool]:
     return _int(config.get("rollout_budget")), _int(config.get("warm_start_plays")), False
 
 
-def _composed(router: dict[str, Any], gate: dict[str, Any]) -> Composed:
+def _read(kind: type[OutputT], outputs: dict[str, Any]) -> OutputT | None:
+    """A done job's output as its stage's type; None for one this version cannot read."""
     try:
-        adapters = [a for a in parse_router_spec(router).adapters() if a is not None]
-    except RouterSpecError:  # a format this dashboard predates: its kind and version still show
-        adapters = []
-    labels = ", ".join(f"{k} {v}" for k, v in _dict(gate.get("labels")).items())
-    fit = f"fitted on {gate.get('tasks')} practice tasks: {labels}" if gate else None
-    return Composed(str(router.get("kind", "?")), adapters, router_version(router), fit)
+        return kind.from_dict(outputs)
+    except (TypeError, KeyError, ValueError):  # RouterSpecError and pydantic's are ValueErrors
+        return None
+
+
+def _composed(outputs: dict[str, Any]) -> Composed:
+    routing = _read(Routing, outputs)
+    if routing is None:  # a router format this dashboard predates: its kind and version still show
+        router = _dict(outputs.get("router"))
+        return Composed(str(router.get("kind", "?")), [], router_version(router), None)
+    gate = routing.gate
+    labels = ", ".join(f"{k} {v}" for k, v in gate.labels.items()) if gate else ""
+    fit = f"fitted on {gate.tasks} practice tasks: {labels}" if gate else None
+    adapters = [a for a in routing.router.adapters() if a is not None]
+    return Composed(routing.router.kind, adapters, router_version(routing.router), fit)
 
 
 def _environment(
-    specs: Mapping[tuple[str, int], SpecRecord], capability: str, outputs: dict[str, Any]
+    specs: Mapping[tuple[str, int], SpecRecord], capability: str, synthesized: Synthesized
 ) -> Environment:
-    name, version = str(outputs.get("env", "")), _int(outputs.get("version")) or 0
-    record = specs.get((name, version))
+    record = specs.get((synthesized.env, synthesized.version))
     calibration = _dict(record.report.get("calibration")) if record is not None else {}
     band = _dict(calibration.get("band"))
     attempts = calibration.get("attempts") or [{}]
     low, high = _float(band.get("low")), _float(band.get("high"))
     return Environment(
         capability,
-        name,
-        version,
-        str(outputs.get("status", "?")),
-        str(outputs.get("reason", "")),
+        synthesized.env,
+        synthesized.version,
+        synthesized.status,
+        synthesized.reason,
         (low, high) if low is not None and high is not None else None,
         _float(_dict(attempts[-1]).get("mean_reward")),
         str(calibration["verdict"]) if calibration.get("verdict") else None,
@@ -214,31 +231,7 @@ def cycles(store: Store, agent: str) -> list[Cycle]:
                 cycle.running = job.stage if job.key == "all" else f"{job.stage} {job.key}"
             if job.status != "done" or job.outputs is None:
                 continue
-            out = job.outputs
-            if job.stage == "mine":
-                cycle.mined = _mined(store, agent, out)
-            elif job.stage == "synthesize":
-                cycle.environments.append(_environment(specs, job.key, out))
-            elif job.stage == "screen":
-                screened[job.key] = (_float(out.get("success")), bool(out.get("train")))
-            elif job.stage == "train":
-                cycle.trained.append(
-                    TrainedExpert(
-                        job.key,
-                        str(out.get("expert", "")),
-                        str(out.get("adapter_name", "")),
-                        bool(out.get("noop")),
-                        len(out.get("reward_curve") or []),
-                        *_training(experts.get(str(out.get("expert")))),
-                    )
-                )
-            elif job.stage == "route":
-                cycle.composed = _composed(_dict(out.get("router")), _dict(out.get("gate")))
-            elif job.stage == "verdict":
-                cycle.accept, cycle.reasons = bool(out.get("accept")), _strings(out.get("reasons"))
-            elif job.stage == "cycle":
-                cycle.deployed = out.get("deployed")
-                cycle.ended_because = out.get("reason")
+            _fill(cycle, job, screened, specs, experts, store, agent)
         cycle.environments = [
             replace(e, live=screened[e.capability][0], trains=screened[e.capability][1])
             if e.capability in screened
@@ -249,20 +242,55 @@ def cycles(store: Store, agent: str) -> list[Cycle]:
     return found
 
 
-def _mined(store: Store, agent: str, out: dict[str, Any]) -> list[MinedCapability]:
+def _fill(
+    cycle: Cycle,
+    job: Job,
+    screened: dict[str, tuple[float | None, bool]],
+    specs: Mapping[tuple[str, int], SpecRecord],
+    experts: Mapping[str, Expert],
+    store: Store,
+    agent: str,
+) -> None:
+    """What a done stage job adds to its cycle's view."""
+    out = job.outputs or {}
+    if job.stage == "route":
+        cycle.composed = _composed(out)
+    elif job.stage == "mine" and (mined := _read(Mined, out)):
+        cycle.mined = _mined(store, agent, mined)
+    elif job.stage == "synthesize" and (synthesized := _read(Synthesized, out)):
+        cycle.environments.append(_environment(specs, job.key, synthesized))
+    elif job.stage == "screen" and (screen := _read(Screened, out)):
+        screened[job.key] = (screen.success, screen.train)
+    elif job.stage == "train" and (trained := _read(Trained, out)):
+        cycle.trained.append(
+            TrainedExpert(
+                job.key,
+                trained.expert,
+                trained.adapter_name,
+                trained.noop,
+                len(trained.reward_curve),
+                *_training(experts.get(trained.expert)),
+            )
+        )
+    elif job.stage == "verdict" and (verdict := _read(Verdict, out)):
+        cycle.accept, cycle.reasons = verdict.accept, list(verdict.reasons)
+    elif job.stage == "cycle" and (end := _read(CycleEnd, out)):
+        cycle.deployed, cycle.ended_because = end.deployed, end.reason
+
+
+def _mined(store: Store, agent: str, mined: Mined) -> list[MinedCapability]:
     """The selected capabilities, with coverage and contrast from the mining pass the job
     names (a job from before it named one shows them as missing)."""
-    run = out.get("mining_run")
-    metrics = {c.name: c.metrics for c in store.capabilities(agent, run)} if isinstance(run, str) else {}
-    covered = set(_strings(out.get("covered")))
+    run = mined.mining_run
+    metrics = {c.name: c.metrics for c in store.capabilities(agent, run)} if run else {}
     return [
         MinedCapability(
             name,
             _float(metrics.get(name, {}).get("coverage")),
             _float(metrics.get(name, {}).get("contrast")),
-            name in covered,
+            name in mined.covered,
         )
-        for name in _strings(out.get("selected"))
+        for name in mined.selected
     ]
 
 
@@ -275,10 +303,8 @@ def expert_curves(store: Store, agent: str) -> list[ExpertCurves]:
     return found
 
 
-def _target(evaluation: Mapping[str, Any], side: str) -> Target | None:
-    summary = _dict(_dict(evaluation.get("target")).get(side))
-    n, success = _int(summary.get("n")), _float(summary.get("success"))
-    return Target(n, success) if n is not None and success is not None else None
+def _target(summary: Summary) -> Target:
+    return Target(summary.n, summary.success)
 
 
 def _ms(at: datetime) -> datetime:
@@ -310,10 +336,9 @@ def deployments(store: Store, engine: Engine, agent: str) -> list[DeploymentView
         if d.status == "canary":
             since = q.episodes_per_router(engine, agent, since=d.updated_at)
             share = (since.get(version, 0), sum(since.values()))
-        scores = {
-            str(c): {k: v for k, v in _dict(s).items() if isinstance(v, int | float)}
-            for c, s in _dict(d.evaluation.get("capabilities")).items()
-        }
+        evaluation = _read(Evaluation, d.evaluation)
+        scores = {c: asdict(s) for c, s in evaluation.capabilities.items()} if evaluation else {}
+        target = evaluation.target if evaluation else None
         found.append(
             DeploymentView(
                 d,
@@ -323,8 +348,8 @@ def deployments(store: Store, engine: Engine, agent: str) -> list[DeploymentView
                 served,
                 episodes,
                 share,
-                _target(d.evaluation, "current"),
-                _target(d.evaluation, "candidate"),
+                _target(target.current) if target else None,
+                _target(target.candidate) if target else None,
                 scores,
             )
         )

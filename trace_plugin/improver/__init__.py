@@ -26,7 +26,8 @@ from trace_plugin.improver.config import GATE_SEEDS, HELD_OUT_SEEDS, TRAINING_SE
 from trace_plugin.improver.errors import ConfigError, DeployError, ImproverError
 from trace_plugin.improver.evaluation import bootstrap_interval, judge, paired_gain, summary
 from trace_plugin.improver.loop import Evaluator, Improver
-from trace_plugin.improver.outputs import (
+from trace_plugin.improver.stages import router_spec
+from trace_plugin.records.stage_outputs import (
     CycleEnd,
     Deployed,
     Evaluation,
@@ -41,7 +42,6 @@ from trace_plugin.improver.outputs import (
     Trained,
     Verdict,
 )
-from trace_plugin.improver.stages import router_spec
 
 __all__ = [
     "GATE_SEEDS",

@@ -16,11 +16,11 @@ if TYPE_CHECKING:
     from trace_plugin.environments.runner import EpisodeResult
     from trace_plugin.gateway import GatewayAdmin
     from trace_plugin.improver.config import ImproverConfig
-    from trace_plugin.improver.outputs import Routing, Summary
     from trace_plugin.recorder import Recorder
     from trace_plugin.records.deployment import Deployment
     from trace_plugin.records.env_spec import EnvSpec
     from trace_plugin.records.expert import Expert
+    from trace_plugin.records.stage_outputs import Routing, Summary
     from trace_plugin.store import Store
     from training.config import ExpertTrainingConfig
 

@@ -21,7 +21,14 @@ from trace_plugin.environments.runner import ChatLoopAgent, EpisodeResult, Runne
 from trace_plugin.environments.synthesis import CapturedInterface
 from trace_plugin.improver.config import HELD_OUT_SEEDS, ImproverConfig
 from trace_plugin.improver.errors import ConfigError
-from trace_plugin.improver.outputs import (
+from trace_plugin.mining.detectors import Trajectory
+from trace_plugin.mining.kinds import label_episode
+from trace_plugin.mining.selection import Label
+from trace_plugin.model_files import load_tokenizer
+from trace_plugin.records.env_spec import EnvSpec
+from trace_plugin.records.outcome import reward_succeeds
+from trace_plugin.records.router_spec import ClassifierSpec, RouterSpec
+from trace_plugin.records.stage_outputs import (
     Evaluation,
     Routing,
     Scores,
@@ -30,13 +37,6 @@ from trace_plugin.improver.outputs import (
     TargetScores,
     Verdict,
 )
-from trace_plugin.mining.detectors import Trajectory
-from trace_plugin.mining.kinds import label_episode
-from trace_plugin.mining.selection import Label
-from trace_plugin.model_files import load_tokenizer
-from trace_plugin.records.env_spec import EnvSpec
-from trace_plugin.records.outcome import reward_succeeds
-from trace_plugin.records.router_spec import ClassifierSpec, RouterSpec
 
 TOP1 = 1e-6  # a top-p so small that the nucleus is the likeliest label alone
 

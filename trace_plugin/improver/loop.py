@@ -17,7 +17,12 @@ from trace_plugin.gateway.admin_client import GatewayAdmin
 from trace_plugin.improver import evaluation, monitor, stages
 from trace_plugin.improver.config import ImproverConfig
 from trace_plugin.improver.errors import ConfigError, ImproverError
-from trace_plugin.improver.outputs import (
+from trace_plugin.recorder import Recorder, default_recorder
+from trace_plugin.records.deployment import Deployment
+from trace_plugin.records.env_spec import EnvSpec
+from trace_plugin.records.expert import Expert
+from trace_plugin.records.job import Job, job_id
+from trace_plugin.records.stage_outputs import (
     OUTPUTS,
     CycleEnd,
     Deployed,
@@ -31,11 +36,6 @@ from trace_plugin.improver.outputs import (
     Trained,
     Verdict,
 )
-from trace_plugin.recorder import Recorder, default_recorder
-from trace_plugin.records.deployment import Deployment
-from trace_plugin.records.env_spec import EnvSpec
-from trace_plugin.records.expert import Expert
-from trace_plugin.records.job import Job, job_id
 from trace_plugin.records.trajectory import utcnow
 from trace_plugin.store import Store
 from trace_plugin.store.lease import Lease, LeaseHeld

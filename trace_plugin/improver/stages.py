@@ -1,7 +1,7 @@
 """The stages of a cycle that build a candidate: mine, synthesize, screen, train, route; and deploy.
 
 Each takes the improver (its store, config and gateway) and typed inputs, and returns the
-typed output (``trace_plugin.improver.outputs``) its job stores. Every stage is
+typed output (``trace_plugin.records.stage_outputs``) its job stores. Every stage is
 idempotent when re-run after a kill: what it writes is keyed by ids derived from the cycle.
 """
 
@@ -28,7 +28,6 @@ from trace_plugin.improver.config import (
 )
 from trace_plugin.improver.errors import DeployError, ImproverError
 from trace_plugin.improver.evaluation import episode_turns, mean_reward, reply_tokens
-from trace_plugin.improver.outputs import Deployed, GateFit, Mined, Routing, Screened, Synthesized, Trained
 from trace_plugin.mining.miner import OfflineMiner
 from trace_plugin.records.deployment import Deployment
 from trace_plugin.records.env_spec import EnvSpec, SpecError
@@ -42,6 +41,15 @@ from trace_plugin.records.router_spec import (
     Retrieval,
     RouterSpec,
     StaticSpec,
+)
+from trace_plugin.records.stage_outputs import (
+    Deployed,
+    GateFit,
+    Mined,
+    Routing,
+    Screened,
+    Synthesized,
+    Trained,
 )
 from trace_plugin.store import Store
 
