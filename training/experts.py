@@ -59,6 +59,7 @@ from transformers import PrinterCallback, TrainerCallback
 
 from trace_plugin.adapter_files import file_sha256, weights_digest
 from trace_plugin.environments.base import Environment, Task, task_keys, unseen_seeds
+from trace_plugin.freed_memory import trim
 from trace_plugin.generation import folded, until_eos
 from trace_plugin.model_files import load_model, resolve_model
 from trace_plugin.records.outcome import reward_succeeds
@@ -559,6 +560,7 @@ class ExpertTrainer:
                 console=self.console,
             )
             self.warm_start = warm.train(model)
+            trim()  # the warm start's activations, freed: before GRPO's peak, not under it
             if self.warm_start is not None:
                 # GRPO continues on the warm-started adapter (a fresh base model under it: SFT
                 # wrapped the first one in place). ``peft_config`` would make a new, empty LoRA.
