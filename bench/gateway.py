@@ -57,6 +57,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -583,6 +584,32 @@ def adapter_batch_seconds(
     }
 
 
+@dataclass
+class Measured:
+    """Every figure one run measured, as its steps return them."""
+
+    direct_tps: float
+    gateway_tps: float
+    load_s: float
+    route_frac: float
+    classifier_frac: float
+    mixture_ratio: float
+    failed: int
+    served: int
+    uncached_s: float
+    cached_s: float
+    tools_s: dict[str, float]
+    batch_s: dict[str, Any]
+    attention_s: dict[str, Any]
+    continuous_s: dict[str, Any]
+    no_stops_s: float
+    stops_s: float
+    ttft_s: float
+    streamed_s: float
+    precision: dict[str, Any] | None
+    on_vllm: dict[str, Any] | None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -590,10 +617,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--vllm", action="store_true", help="with --quick: measure on vLLM too")
     args = parser.parse_args()
-    rounds, max_tokens, route_requests, per_client = (1, 24, 10, 3) if args.quick else (4, 64, 40, 8)
-    stop_rounds = 10 if args.quick else 40
-    console = Console()
+    m = measure(args.quick, vllm=args.vllm or not args.quick)
+    Console().print(table(m))
+    print(json.dumps({"bench": "gateway", "quick": args.quick, **figures(m)}))
 
+
+def measure(quick: bool, *, vllm: bool) -> Measured:
+    """The backend's own figures, then the gateway's in front of it (and of vLLM)."""
+    rounds, max_tokens, route_requests, per_client = (1, 24, 10, 3) if quick else (4, 64, 40, 8)
+    stop_rounds = 10 if quick else 40
     backend = EmbeddedBackend()
     uncached_s, cached_s = prefix_cache_speedup(backend, rounds + 1, max_tokens)
     tools_s = per_request_tools(backend, rounds + 1, max_tokens)
@@ -624,7 +656,6 @@ def main() -> None:
             for _ in range(rounds):  # alternate to share the machine's drift
                 direct.append(direct_tokens_per_s(backend, 1, max_tokens)[0])
                 via_gateway.append(gateway_tokens_per_s(server.url, backend.model_id, 1, max_tokens)[0])
-            gateway_tps, direct_tps = sum(via_gateway) / rounds, sum(direct) / rounds
             load_s = first_response_after_load(server.url, "refunds@1", "refunds/1")
             route_frac = routing_overhead(app, server.url, route_requests)
             first_response_after_load(server.url, "returns@1", "returns/1")
@@ -633,142 +664,152 @@ def main() -> None:
             no_stops_s, stops_s = stop_list_stall(server.url, backend.model_id, stop_rounds)
             ttft_s, streamed_s = time_to_first_token(server.url, "base", rounds)
             classifier_frac = classifier_routing(app, backend, server.url, route_requests // 2, max_tokens)
-            on_vllm = (
-                vllm_figures(backend, server.url, root, rounds, max_tokens)
-                if args.vllm or not args.quick
-                else None
-            )
+            on_vllm = vllm_figures(backend, server.url, root, rounds, max_tokens) if vllm else None
         recorder.close()
+    return Measured(
+        sum(direct) / rounds, sum(via_gateway) / rounds, load_s, route_frac, classifier_frac,
+        mixture_ratio, failed, served, uncached_s, cached_s, tools_s, batch_s, attention_s,
+        continuous_s, no_stops_s, stops_s, ttft_s, streamed_s, precision, on_vllm,
+    )  # fmt: skip
 
-    table = Table(title="Gateway vs direct generate, same prompts, greedy")
+
+def table(m: Measured) -> Table:
+    """The run's figures as the console shows them."""
+    shown = Table(title="Gateway vs direct generate, same prompts, greedy")
     for col in ("figure", "measured", "target"):
-        table.add_column(col)
-    table.add_row("direct model.generate tokens/s", f"{direct_tps:.1f}", "")
-    table.add_row("gateway tokens/s", f"{gateway_tps:.1f}", "")
-    table.add_row("throughput ratio", f"{gateway_tps / direct_tps:.3f}", "≥ 0.9")
-    table.add_row("load_lora_adapter → first response (rank 8)", f"{load_s:.3f} s", "< 1 s")
-    table.add_row("routing share of request time (keyword)", f"{route_frac:.5f}", "≤ 0.10")
-    table.add_row("routing share, retrieval classifier, new tickets", f"{classifier_frac:.4f}", "≤ 0.10")
-    table.add_row("two-adapter mixture ÷ one adapter, per token", f"{mixture_ratio:.3f}", "≤ 1.5")
-    table.add_row("failed requests during hot-swap", f"{failed} of {failed + served}", "0")
-    table.add_row("4 agent prompts, no prefix cache", f"{uncached_s:.2f} s", "")
-    table.add_row("4 agent prompts, cached opening", f"{cached_s:.2f} s", "")
-    table.add_row("prefix cache speedup", f"{uncached_s / cached_s:.2f}×", "")
-    table.add_row("8 requests, own tools each, no prefix cache", f"{tools_s['uncached']:.2f} s", "")
-    table.add_row("8 requests, own tools each, prefix cache", f"{tools_s['own']:.2f} s", "")
-    table.add_row("  prompt tokens from the cache", f"{tools_s['reused_frac']:.2f}", "")
-    table.add_row("8 requests, all the agent's tools each, prefix cache", f"{tools_s['all']:.2f} s", "")
-    table.add_row("own tools: cache speedup", f"{tools_s['uncached'] / tools_s['own']:.2f}×", "")
-    table.add_row("own tools ÷ all tools, cached", f"{tools_s['own'] / tools_s['all']:.2f}", "")
-    table.add_row("4 agent prompts, base model", f"{batch_s['base']:.2f} s", "")
-    table.add_row("4 agent prompts, one expert (folded, as served)", f"{batch_s['folded']:.2f} s", "")
-    table.add_row("4 agent prompts, one expert (adapter active)", f"{batch_s['active']:.2f} s", "")
-    table.add_row(
-        "4 agent prompts, one expert (PEFT mixed-batch split)", f"{batch_s['mixed_split']:.2f} s", ""
+        shown.add_column(col)
+    shown.add_row("direct model.generate tokens/s", f"{m.direct_tps:.1f}", "")
+    shown.add_row("gateway tokens/s", f"{m.gateway_tps:.1f}", "")
+    shown.add_row("throughput ratio", f"{m.gateway_tps / m.direct_tps:.3f}", "≥ 0.9")
+    shown.add_row("load_lora_adapter → first response (rank 8)", f"{m.load_s:.3f} s", "< 1 s")
+    shown.add_row("routing share of request time (keyword)", f"{m.route_frac:.5f}", "≤ 0.10")
+    shown.add_row("routing share, retrieval classifier, new tickets", f"{m.classifier_frac:.4f}", "≤ 0.10")
+    shown.add_row("two-adapter mixture ÷ one adapter, per token", f"{m.mixture_ratio:.3f}", "≤ 1.5")
+    shown.add_row("failed requests during hot-swap", f"{m.failed} of {m.failed + m.served}", "0")
+    shown.add_row("4 agent prompts, no prefix cache", f"{m.uncached_s:.2f} s", "")
+    shown.add_row("4 agent prompts, cached opening", f"{m.cached_s:.2f} s", "")
+    shown.add_row("prefix cache speedup", f"{m.uncached_s / m.cached_s:.2f}×", "")
+    shown.add_row("8 requests, own tools each, no prefix cache", f"{m.tools_s['uncached']:.2f} s", "")
+    shown.add_row("8 requests, own tools each, prefix cache", f"{m.tools_s['own']:.2f} s", "")
+    shown.add_row("  prompt tokens from the cache", f"{m.tools_s['reused_frac']:.2f}", "")
+    shown.add_row("8 requests, all the agent's tools each, prefix cache", f"{m.tools_s['all']:.2f} s", "")
+    shown.add_row("own tools: cache speedup", f"{m.tools_s['uncached'] / m.tools_s['own']:.2f}×", "")
+    shown.add_row("own tools ÷ all tools, cached", f"{m.tools_s['own'] / m.tools_s['all']:.2f}", "")
+    shown.add_row("4 agent prompts, base model", f"{m.batch_s['base']:.2f} s", "")
+    shown.add_row("4 agent prompts, one expert (folded, as served)", f"{m.batch_s['folded']:.2f} s", "")
+    shown.add_row("4 agent prompts, one expert (adapter active)", f"{m.batch_s['active']:.2f} s", "")
+    shown.add_row(
+        "4 agent prompts, one expert (PEFT mixed-batch split)", f"{m.batch_s['mixed_split']:.2f} s", ""
     )
-    table.add_row("folded expert speedup over active", f"{batch_s['active'] / batch_s['folded']:.2f}×", "")
-    table.add_row(
-        "one-expert batch speedup over the split", f"{batch_s['mixed_split'] / batch_s['folded']:.2f}×", ""
+    shown.add_row(
+        "folded expert speedup over active", f"{m.batch_s['active'] / m.batch_s['folded']:.2f}×", ""
     )
-    table.add_row("4 agent prompts, one expert (stacked weights)", f"{batch_s['stacked']:.2f} s", "")
-    table.add_row("4 agent prompts, base + 3 experts (PEFT split)", f"{batch_s['mix_split']:.2f} s", "")
-    table.add_row(
-        "4 agent prompts, base + 3 experts (stacked weights)", f"{batch_s['mix_stacked']:.2f} s", ""
-    )
-    table.add_row(
-        "mixed batch speedup over the split", f"{batch_s['mix_split'] / batch_s['mix_stacked']:.2f}×", ""
-    )
-    table.add_row(
-        "  greedy tokens agreeing before the first divergence",
-        f"{batch_s['mix_agreed']} of {batch_s['mix_total']}",
+    shown.add_row(
+        "one-expert batch speedup over the split",
+        f"{m.batch_s['mixed_split'] / m.batch_s['folded']:.2f}×",
         "",
     )
-    table.add_row("4 agent prompts, cached, decode attention", f"{attention_s['ours']:.2f} s", "")
-    table.add_row("4 agent prompts, cached, SDPA's kernel", f"{attention_s['sdpa']:.2f} s", "")
-    table.add_row("decode attention speedup", f"{attention_s['sdpa'] / attention_s['ours']:.2f}×", "")
-    table.add_row(
+    shown.add_row("4 agent prompts, one expert (stacked weights)", f"{m.batch_s['stacked']:.2f} s", "")
+    shown.add_row("4 agent prompts, base + 3 experts (PEFT split)", f"{m.batch_s['mix_split']:.2f} s", "")
+    shown.add_row(
+        "4 agent prompts, base + 3 experts (stacked weights)", f"{m.batch_s['mix_stacked']:.2f} s", ""
+    )
+    shown.add_row(
+        "mixed batch speedup over the split", f"{m.batch_s['mix_split'] / m.batch_s['mix_stacked']:.2f}×", ""
+    )
+    shown.add_row(
         "  greedy tokens agreeing before the first divergence",
-        f"{attention_s['agreed']} of {attention_s['total']}",
+        f"{m.batch_s['mix_agreed']} of {m.batch_s['mix_total']}",
         "",
     )
-    table.add_row(
+    shown.add_row("4 agent prompts, cached, decode attention", f"{m.attention_s['ours']:.2f} s", "")
+    shown.add_row("4 agent prompts, cached, SDPA's kernel", f"{m.attention_s['sdpa']:.2f} s", "")
+    shown.add_row("decode attention speedup", f"{m.attention_s['sdpa'] / m.attention_s['ours']:.2f}×", "")
+    shown.add_row(
+        "  greedy tokens agreeing before the first divergence",
+        f"{m.attention_s['agreed']} of {m.attention_s['total']}",
+        "",
+    )
+    shown.add_row(
         "16 agent prompts, replies of 12-96 tokens, static batches of 8",
-        f"{continuous_s['static']:.2f} s",
+        f"{m.continuous_s['static']:.2f} s",
         "",
     )
-    table.add_row("the same, continuous batching (8 slots)", f"{continuous_s['continuous']:.2f} s", "")
-    table.add_row(
-        "continuous batching speedup", f"{continuous_s['static'] / continuous_s['continuous']:.2f}×", ""
+    shown.add_row("the same, continuous batching (8 slots)", f"{m.continuous_s['continuous']:.2f} s", "")
+    shown.add_row(
+        "continuous batching speedup", f"{m.continuous_s['static'] / m.continuous_s['continuous']:.2f}×", ""
     )
-    table.add_row(
+    shown.add_row(
         "  greedy tokens agreeing before the first divergence",
-        f"{continuous_s['agreed']} of {continuous_s['total']}",
+        f"{m.continuous_s['agreed']} of {m.continuous_s['total']}",
         "",
     )
-    table.add_row("max_tokens=1 request, no stop list", f"{no_stops_s:.3f} s", "")
-    table.add_row(f"max_tokens=1 request, {MAX_STOPS} new stop strings", f"{stops_s:.3f} s", "")
-    table.add_row("stop list stall ratio", f"{stops_s / no_stops_s:.2f}×", "≈ 1")
-    table.add_row("streamed agent request: first token", f"{ttft_s:.3f} s", "")
-    table.add_row("streamed agent request: all 96 tokens", f"{streamed_s:.3f} s", "")
-    table.add_row("time to first token ÷ whole reply", f"{ttft_s / streamed_s:.3f}", "≤ 0.2")
-    if precision is not None:
-        table.add_row("4 tickets at once, float32 tokens/s", f"{precision['float32']:.1f}", "")
-        table.add_row("4 tickets at once, bf16 tokens/s", f"{precision['bfloat16']:.1f}", "")
-        table.add_row("bf16 / float32 tokens/s", f"{precision['bfloat16'] / precision['float32']:.2f}×", "")
-        table.add_row(
+    shown.add_row("max_tokens=1 request, no stop list", f"{m.no_stops_s:.3f} s", "")
+    shown.add_row(f"max_tokens=1 request, {MAX_STOPS} new stop strings", f"{m.stops_s:.3f} s", "")
+    shown.add_row("stop list stall ratio", f"{m.stops_s / m.no_stops_s:.2f}×", "≈ 1")
+    shown.add_row("streamed agent request: first token", f"{m.ttft_s:.3f} s", "")
+    shown.add_row("streamed agent request: all 96 tokens", f"{m.streamed_s:.3f} s", "")
+    shown.add_row("time to first token ÷ whole reply", f"{m.ttft_s / m.streamed_s:.3f}", "≤ 0.2")
+    if m.precision is not None:
+        shown.add_row("4 tickets at once, float32 tokens/s", f"{m.precision['float32']:.1f}", "")
+        shown.add_row("4 tickets at once, bf16 tokens/s", f"{m.precision['bfloat16']:.1f}", "")
+        shown.add_row(
+            "bf16 / float32 tokens/s", f"{m.precision['bfloat16'] / m.precision['float32']:.2f}×", ""
+        )
+        shown.add_row(
             "greedy tokens agreeing before the first divergence",
-            f"{precision['agreed']} of {precision['total']}",
+            f"{m.precision['agreed']} of {m.precision['total']}",
             "",
         )
     else:
-        table.add_row("bf16 / float32 tokens/s", "not measured: no native bf16 here", "")
-    if on_vllm is not None:
-        table.add_row(f"vLLM server start ({on_vllm['dtype']}, LoRA on)", f"{on_vllm['start_s']:.0f} s", "")
-        table.add_row("gateway on the embedded backend, tokens/s", f"{on_vllm['embedded_tps']:.1f}", "")
-        table.add_row("gateway on vLLM, tokens/s", f"{on_vllm['vllm_tps']:.1f}", "")
-        table.add_row("vLLM ÷ embedded tokens/s", f"{on_vllm['vllm_tps'] / on_vllm['embedded_tps']:.3f}", "")
-        table.add_row("greedy tokens equal on both", str(on_vllm["same_tokens"]), "")
-        table.add_row("load_lora_adapter → first response on vLLM", f"{on_vllm['load_s']:.3f} s", "")
-    else:
-        table.add_row("vLLM figures", "not run: --quick without --vllm", "")
-    console.print(table)
-    print(
-        json.dumps(
-            {
-                "bench": "gateway",
-                "quick": args.quick,
-                "throughput_ratio": round(gateway_tps / direct_tps, 4),
-                "hotswap_first_response_s": round(load_s, 4),
-                "routing_overhead_frac": round(route_frac, 6),
-                "classifier_routing_frac": round(classifier_frac, 4),
-                "mixture_cost_ratio": round(mixture_ratio, 3),
-                "failed_requests_during_swap": failed,
-                "prefix_cache_speedup": round(uncached_s / cached_s, 3),
-                "per_request_tools_cache_speedup": round(tools_s["uncached"] / tools_s["own"], 3),
-                "per_request_tools_reused_frac": round(tools_s["reused_frac"], 3),
-                "per_request_tools_cost_ratio": round(tools_s["own"] / tools_s["all"], 3),
-                "expert_batch_cost_ratio": round(batch_s["folded"] / batch_s["base"], 3),
-                "single_adapter_speedup": round(batch_s["mixed_split"] / batch_s["folded"], 3),
-                "fold_speedup": round(batch_s["active"] / batch_s["folded"], 3),
-                "mixed_batch_speedup": round(batch_s["mix_split"] / batch_s["mix_stacked"], 3),
-                "decode_attention_speedup": round(attention_s["sdpa"] / attention_s["ours"], 3),
-                "continuous_batching_speedup": round(continuous_s["static"] / continuous_s["continuous"], 3),
-                "continuous_batching_token_agreement": round(
-                    continuous_s["agreed"] / continuous_s["total"], 3
-                ),
-                "stop_list_stall_ratio": round(stops_s / no_stops_s, 3),
-                "ttft_s": round(ttft_s, 3),
-                "ttft_ratio": round(ttft_s / streamed_s, 3),
-                "bf16_tokens_per_s_ratio": round(precision["bfloat16"] / precision["float32"], 3)
-                if precision
-                else None,
-                "bf16_greedy_token_agreement": round(precision["agreed"] / precision["total"], 3)
-                if precision
-                else None,
-                **vllm_json(on_vllm),
-            }
+        shown.add_row("bf16 / float32 tokens/s", "not measured: no native bf16 here", "")
+    if m.on_vllm is not None:
+        shown.add_row(
+            f"vLLM server start ({m.on_vllm['dtype']}, LoRA on)", f"{m.on_vllm['start_s']:.0f} s", ""
         )
-    )
+        shown.add_row("gateway on the embedded backend, tokens/s", f"{m.on_vllm['embedded_tps']:.1f}", "")
+        shown.add_row("gateway on vLLM, tokens/s", f"{m.on_vllm['vllm_tps']:.1f}", "")
+        shown.add_row(
+            "vLLM ÷ embedded tokens/s", f"{m.on_vllm['vllm_tps'] / m.on_vllm['embedded_tps']:.3f}", ""
+        )
+        shown.add_row("greedy tokens equal on both", str(m.on_vllm["same_tokens"]), "")
+        shown.add_row("load_lora_adapter → first response on vLLM", f"{m.on_vllm['load_s']:.3f} s", "")
+    else:
+        shown.add_row("vLLM figures", "not run: --quick without --vllm", "")
+    return shown
+
+
+def figures(m: Measured) -> dict[str, Any]:
+    """The run's figures by the names ``../shared/bench-figures.md`` gives them."""
+    return {
+        "throughput_ratio": round(m.gateway_tps / m.direct_tps, 4),
+        "hotswap_first_response_s": round(m.load_s, 4),
+        "routing_overhead_frac": round(m.route_frac, 6),
+        "classifier_routing_frac": round(m.classifier_frac, 4),
+        "mixture_cost_ratio": round(m.mixture_ratio, 3),
+        "failed_requests_during_swap": m.failed,
+        "prefix_cache_speedup": round(m.uncached_s / m.cached_s, 3),
+        "per_request_tools_cache_speedup": round(m.tools_s["uncached"] / m.tools_s["own"], 3),
+        "per_request_tools_reused_frac": round(m.tools_s["reused_frac"], 3),
+        "per_request_tools_cost_ratio": round(m.tools_s["own"] / m.tools_s["all"], 3),
+        "expert_batch_cost_ratio": round(m.batch_s["folded"] / m.batch_s["base"], 3),
+        "single_adapter_speedup": round(m.batch_s["mixed_split"] / m.batch_s["folded"], 3),
+        "fold_speedup": round(m.batch_s["active"] / m.batch_s["folded"], 3),
+        "mixed_batch_speedup": round(m.batch_s["mix_split"] / m.batch_s["mix_stacked"], 3),
+        "decode_attention_speedup": round(m.attention_s["sdpa"] / m.attention_s["ours"], 3),
+        "continuous_batching_speedup": round(m.continuous_s["static"] / m.continuous_s["continuous"], 3),
+        "continuous_batching_token_agreement": round(m.continuous_s["agreed"] / m.continuous_s["total"], 3),
+        "stop_list_stall_ratio": round(m.stops_s / m.no_stops_s, 3),
+        "ttft_s": round(m.ttft_s, 3),
+        "ttft_ratio": round(m.ttft_s / m.streamed_s, 3),
+        "bf16_tokens_per_s_ratio": round(m.precision["bfloat16"] / m.precision["float32"], 3)
+        if m.precision
+        else None,
+        "bf16_greedy_token_agreement": round(m.precision["agreed"] / m.precision["total"], 3)
+        if m.precision
+        else None,
+        **vllm_json(m.on_vllm),
+    }
 
 
 def vllm_json(on_vllm: dict | None) -> dict[str, Any]:

@@ -443,69 +443,95 @@ def mixture_ratio_step(bench: Bench, last: Deployment | None, experts: dict[str,
     return round(bench.seconds["mixture"] / bench.seconds[alone], 3)
 
 
+@dataclass
+class Headline:
+    """What the headline's steps measured, for its report."""
+
+    base: list[float]
+    cycles: list[dict[str, Any]]
+    trace_mixture: list[float]
+    trace_deployed: list[float]
+    trace_spent: int
+    budget: int
+    grpo_rows: list[float]
+    grpo_points: list[tuple[int, list[float]]]
+    turn_kv: float | None
+    mixture_ratio: float | None
+    calibration_samples: int
+
+
 def main() -> None:
     args = arguments(__doc__.splitlines()[0])
     bench = Bench.open(args)
     clock = Clock(bench.out / "seconds-improvement.json")
     memory = MemoryTrace(bench.store, bench.out / "memory-improvement.json")
-    console, test = bench.console, bench.test
     try:
-        memory.step = "base"
-        base_summary = base_step(bench)
-        base = successes(base_summary["episodes"])
-        cycles = []
-        for n in range(1, bench.preset.cycles + 1):
-            memory.step = f"cycle {n}"
-            cycles.append(cycle_step(bench, n))
-            clock.tick()
-        composed = [c for c in cycles if c["candidate"] is not None]
-        trace_mixture = composed[-1]["candidate"] if composed else base
-        trace_deployed = cycles[-1]["live"]
-        results = expert_results(bench.store)
-        trace_spent = cycles[-1]["rollouts"]
-        budget = args.budget or trace_spent or bench.preset.rollouts * bench.preset.max_experts
-        memory.step = "grpo_target"
-        grpo, grpo_points = grpo_step(bench, budget)
-        clock.tick()
-        grpo_rows = (
-            base
-            if is_noop(bench.adapter_dir("grpo_target"))
-            else bench.evaluated("grpo_target", lambda: grpo)
-        )
-        last, experts = bench.last_deployment(), bench.experts()
-        memory.step = "turn_kv_reuse"
-        turn_kv = turn_kv_step(bench, next(iter(experts.values()))) if experts else None
-        clock.tick()
-        memory.step = "mixture_eval"
-        mixture_ratio = mixture_ratio_step(bench, last, experts)
-        calibration_samples = len(bench.store.list_episodes(f"calibration:{AGENT}", limit=10**6))
-        bench.results.get(
-            "headline", lambda: {"base": base, "trace_mixture": trace_mixture, "budget": budget}
-        )
+        headline = run_steps(bench, args.budget, clock, memory)
     finally:
         bench.stop()
         clock.tick()
         peaks = memory.close()
+    report(bench, headline, clock.total, peaks)
 
+
+def run_steps(bench: Bench, budget: int | None, clock: Clock, memory: MemoryTrace) -> Headline:
+    """The base, the improver's cycles, GRPO on the target at TRACE's spent rollouts, and
+    the speed figures: each step kept in the folder as it ends."""
+    memory.step = "base"
+    base = successes(base_step(bench)["episodes"])
+    cycles = []
+    for n in range(1, bench.preset.cycles + 1):
+        memory.step = f"cycle {n}"
+        cycles.append(cycle_step(bench, n))
+        clock.tick()
+    composed = [c for c in cycles if c["candidate"] is not None]
+    trace_mixture = composed[-1]["candidate"] if composed else base
+    trace_spent = cycles[-1]["rollouts"]
+    most = min(bench.preset.max_experts * bench.preset.cycles, bench.preset.max_capabilities or 10**6)
+    budget = budget or trace_spent or bench.preset.rollouts * most
+    memory.step = "grpo_target"
+    grpo, grpo_points = grpo_step(bench, budget)
+    clock.tick()
+    grpo_rows = (
+        base if is_noop(bench.adapter_dir("grpo_target")) else bench.evaluated("grpo_target", lambda: grpo)
+    )
+    last, experts = bench.last_deployment(), bench.experts()
+    memory.step = "turn_kv_reuse"
+    turn_kv = turn_kv_step(bench, next(iter(experts.values()))) if experts else None
+    clock.tick()
+    memory.step = "mixture_eval"
+    mixture_ratio = mixture_ratio_step(bench, last, experts)
+    calibration_samples = len(bench.store.list_episodes(f"calibration:{AGENT}", limit=10**6))
+    bench.results.get("headline", lambda: {"base": base, "trace_mixture": trace_mixture, "budget": budget})
+    return Headline(
+        base, cycles, trace_mixture, cycles[-1]["live"], trace_spent, budget, grpo_rows, grpo_points,
+        turn_kv, mixture_ratio, calibration_samples,
+    )  # fmt: skip
+
+
+def report(bench: Bench, h: Headline, seconds: float, peaks: dict[str, float]) -> None:
+    """The tables, the paired intervals, the curves and the figures line."""
     from training.experts import ExpertResult
 
+    console, test, cycles = bench.console, bench.test, h.cycles
+    results = expert_results(bench.store)
     grpo_spent = ExpertResult.load(bench.adapter_dir("grpo_target")).rollouts_spent
     rows = {
-        "base": base,
-        "grpo_target": grpo_rows,
-        "trace_deployed": trace_deployed,
-        "trace_mixture": trace_mixture,
+        "base": h.base,
+        "grpo_target": h.grpo_rows,
+        "trace_deployed": h.trace_deployed,
+        "trace_mixture": h.trace_mixture,
     }
     rollouts = {
         "base": 0,
         "grpo_target": grpo_spent,
-        "trace_deployed": trace_spent,
-        "trace_mixture": trace_spent,
+        "trace_deployed": h.trace_spent,
+        "trace_mixture": h.trace_spent,
     }
     cycles_table(console, cycles)
     figures = rows_table(
         console, rows, rollouts,
-        f"Retail test tasks: {len(test)}; rollouts spent: GRPO {grpo_spent}, TRACE {trace_spent} "
+        f"Retail test tasks: {len(test)}; rollouts spent: GRPO {grpo_spent}, TRACE {h.trace_spent} "
         "(SmolLM2-135M, CPU)",
     )  # fmt: skip
     # Fixed in advance: the deployed agent against base and against GRPO on the target.
@@ -516,9 +542,9 @@ def main() -> None:
     informative = [r.informative_group_frac for r in results if r.informative_group_frac is not None]
     cycle_gains = [
         round(mean(c["live"]) - mean(p), 4)
-        for c, p in zip(cycles, [base, *[c["live"] for c in cycles]][:-1], strict=True)
+        for c, p in zip(cycles, [h.base, *[c["live"] for c in cycles]][:-1], strict=True)
     ]
-    console.print(f"calibration samples (TRACE's, outside the rollouts): {calibration_samples}")
+    console.print(f"calibration samples (TRACE's, outside the rollouts): {h.calibration_samples}")
     console.print(
         f"reference plays (warm starts, outside the rollouts): {reference_plays} for TRACE's experts"
     )
@@ -529,7 +555,7 @@ def main() -> None:
             + f", informative groups (un-hinted) {r.informative_group_frac}"
         )
     console.print(f"each cycle's gain on the reported tasks: {cycle_gains}")
-    console.print(f"turn_kv_reuse_speedup {turn_kv}; mixture_eval_ratio {mixture_ratio}")
+    console.print(f"turn_kv_reuse_speedup {h.turn_kv}; mixture_eval_ratio {h.mixture_ratio}")
     table = Table(title="Peak resident memory (GB) by step and the improver's running jobs, largest first")
     for column in ("step / jobs", "GB"):
         table.add_column(column)
@@ -539,7 +565,7 @@ def main() -> None:
     curves = {
         "trace": [(0, figures["base"])] + [(c["rollouts"], mean(c["live"])) for c in cycles],
         "grpo": [(0, figures["base"])]
-        + [(n, mean(v)) for n, v in grpo_points]
+        + [(n, mean(v)) for n, v in h.grpo_points]
         + [(grpo_spent, figures["grpo_target"])],
     }
     curves_table(console, curves)
@@ -549,24 +575,24 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "improvement",
-                "quick": args.quick,
-                "rollout_budget": budget,
-                "rollouts_spent": trace_spent,
+                "quick": bench.quick,
+                "rollout_budget": h.budget,
+                "rollouts_spent": h.trace_spent,
                 "grpo_rollouts_spent": grpo_spent,
                 "n_test_tasks": len(test),
                 "cycles": len(cycles),
                 **figures,
                 "cycle_gains": cycle_gains,
                 "informative_group_frac": round(mean(informative), 4) if informative else None,
-                "calibration_samples": calibration_samples,
+                "calibration_samples": h.calibration_samples,
                 "reference_plays": reference_plays,
                 "gain_vs_base_ci_low": round(gains["base"][0], 4),
                 "gain_vs_base_ci_high": round(gains["base"][1], 4),
                 "gain_vs_grpo_ci_low": round(gains["grpo_target"][0], 4),
                 "gain_vs_grpo_ci_high": round(gains["grpo_target"][1], 4),
-                "turn_kv_reuse_speedup": turn_kv,
-                "mixture_eval_ratio": mixture_ratio,
-                "bench_seconds": round(clock.total),
+                "turn_kv_reuse_speedup": h.turn_kv,
+                "mixture_eval_ratio": h.mixture_ratio,
+                "bench_seconds": round(seconds),
                 # A resumed run's peak is its largest part's: this process's, or one its trace kept.
                 "peak_rss_gb": max(peak_rss_gb(), *peaks.values()),
                 **{
