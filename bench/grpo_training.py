@@ -24,6 +24,11 @@ worked examples (about 1,400 tokens) and episodes take turns: two tickets of fou
 rollouts, two turns of up to 96 tokens, greedy, played with and without running the
 batch's common opening once (alternating), in float32, with the tokens compared.
 
+An expert's training as the improver runs it (a warm start, then multi-turn GRPO) is run
+twice, with freed memory returned to the system (the default) and kept in the heap
+(glibc's own behaviour): ``freed_memory_peak_ratio`` and ``freed_memory_time_ratio``,
+kept ÷ returned (full runs only).
+
 Learning, last: three training seeds, each trained in float32 and in bf16 on a fixed task
 with a dense reward (a one-turn retail reply that names the ticket's order id, in few
 tokens). The mean reward curves are printed side by side, with the second half's mean per
@@ -230,9 +235,45 @@ def generation(reps: int) -> dict:
     }
 
 
+def expert_memory(allocator: str, steps: int) -> dict:
+    """An expert trained as the improver trains one (a synthesized retail writes
+    environment: a warm start on 16 reference plays, then GRPO steps of 6 turns of up to 96
+    tokens), with freed memory returned to the system (``trace_plugin.freed_memory``, the
+    default) or kept in the heap: the peak resident memory and the wall time of each."""
+    warnings.filterwarnings("ignore")
+    from trace_plugin import freed_memory
+    from trace_plugin.environments.interpreter import SpecEnv
+    from trace_plugin.environments.retail import POLICY, TOOLS
+    from trace_plugin.environments.synthesis import synthesize
+    from training.config import ExpertTrainingConfig
+    from training.experts import ExpertTrainer
+
+    if allocator == "kept":
+        freed_memory.map_large_blocks = lambda: False  # type: ignore[assignment]
+        freed_memory.trim = lambda: None  # type: ignore[assignment]
+    spec = synthesize("write_completion", TOOLS, system_prompt=POLICY)
+    config = ExpertTrainingConfig(
+        output_dir=tempfile.mkdtemp() + "/e",
+        rollout_budget=GROUP * steps,
+        warm_start_plays=16,
+        hint_fraction=0.5,
+        precision="float32",
+        max_turns=6,
+        max_completion_length=96,
+    )
+    start = time.monotonic()
+    ExpertTrainer(config, lambda: SpecEnv(spec), list(range(100, 164)), progress=False).train()
+    return {
+        "seconds": time.monotonic() - start,
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
+    }
+
+
 def child(which: str, steps: int, vllm_url: str | None) -> dict:
     if which == "generation":
         return generation(steps)
+    if which.startswith("expert_memory@"):
+        return expert_memory(which.removeprefix("expert_memory@"), steps)
     if which.startswith("learning_"):
         precision, seed = which.removeprefix("learning_").split("@")
         return learning(precision, steps, int(seed))
@@ -294,6 +335,8 @@ def main() -> None:
     if args.vllm or not args.quick:
         results["ours_vllm"] = on_vllm(steps)
     played = spawn("generation", steps // 2)
+    # Full runs only (about six minutes each here): the allocator's pair, one after the other.
+    memory = None if args.quick else {a: spawn(f"expert_memory@{a}", 2) for a in ("kept", "returned")}
     learning_steps, learning_seeds = (2, (0,)) if args.quick else (16, LEARNING_SEEDS)
     runs = {
         p: [spawn(f"learning_{p}@{seed}", learning_steps)["reward_curve"] for seed in learning_seeds]
@@ -340,6 +383,14 @@ def main() -> None:
         f" float32: {played['unshared_s']:.1f} s prompt run per row, {played['shared_s']:.1f} s opening run"
         f" once ({played['unshared_s'] / played['shared_s']:.2f}x), same tokens: {played['same_tokens']}"
     )
+    if memory is not None:
+        kept, returned = memory["kept"], memory["returned"]
+        console.print(
+            f"an expert's training (warm start on 16 plays, 2 GRPO steps of 6 turns), float32: peak RSS"
+            f" {kept['peak_rss_gb']:.2f} GB with freed memory kept in the heap,"
+            f" {returned['peak_rss_gb']:.2f} GB returned ({kept['seconds']:.0f} s against"
+            f" {returned['seconds']:.0f} s)"
+        )
     curve_table = Table(
         title=f"learning: mean reward per step, training seeds {list(learning_seeds)}, 2 x {GROUP} rollouts"
     )
@@ -371,6 +422,15 @@ def main() -> None:
                 "speedup_with_flat_groups_dropped": round(results["ours_flat"]["rollouts_per_s"] / naive, 3),
                 **vllm_json(results.get("ours_vllm"), ours),
                 "generation_prefix_speedup": round(played["unshared_s"] / played["shared_s"], 3),
+                # An expert's training: peak RSS and time with freed memory kept ÷ returned.
+                "freed_memory_peak_ratio": round(
+                    memory["kept"]["peak_rss_gb"] / memory["returned"]["peak_rss_gb"], 3
+                )
+                if memory
+                else None,
+                "freed_memory_time_ratio": round(memory["kept"]["seconds"] / memory["returned"]["seconds"], 3)
+                if memory
+                else None,
                 "generation_same_tokens": played["same_tokens"],
                 "learning_seeds": len(learning_seeds),
                 "learning_second_half_float32": round(second_half_mean(curves["float32"]), 4),
