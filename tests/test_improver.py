@@ -573,8 +573,8 @@ def test_max_capabilities_caps_the_experts_over_all_cycles_but_not_a_retrain(sql
     improver.run_once()
     assert trained == ["write_completion"]  # covered: a retrain; the two others are new
     end = CycleEnd.from_dict(next(j for j in store.jobs("a") if j.stage == "cycle").outputs)
-    assert "at most 2" in end.passed_over["argument_grounding"]
-    assert "at most 2" in end.passed_over["policy_refusal"]
+    assert "more than 2 capabilities" in end.passed_over["argument_grounding"]
+    assert "more than 2 capabilities" in end.passed_over["policy_refusal"]
 
 
 def test_a_capability_no_environment_can_exercise_is_passed_over_and_the_next_one_trains(

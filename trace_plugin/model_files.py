@@ -119,6 +119,8 @@ def load_model(model_dir: str | Path, *, precision: Precision = "float32") -> tu
     ``decode_attention``: SDPA's CPU kernel is slow for them in
     bf16, but not in float32, where it beat ours (``bench/gateway.py``,
     ``decode_attention_speedup``).
+
+    The process then hands freed tensors back to the system (``freed_memory``).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

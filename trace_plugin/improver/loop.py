@@ -140,9 +140,7 @@ class Improver:
                 break
             new = {c for c in [*trained, capability] if c not in covered}
             if cap is not None and len(covered) + len(new) > cap:
-                untrained[capability] = (
-                    f"the agent has experts for {len(covered)} capabilities of at most {cap}"
-                )
+                untrained[capability] = f"the agent would have experts for more than {cap} capabilities"
                 continue
             env: Synthesized = await self.run_job(
                 cycle, "synthesize", capability, lambda c=capability: self.synthesize(c)
