@@ -25,8 +25,8 @@ rollouts, two turns of up to 96 tokens, greedy, played with and without running 
 batch's common opening once (alternating), in float32, with the tokens compared.
 
 An expert's training as the improver runs it (a warm start, then multi-turn GRPO) is run
-twice, with freed memory returned to the system (the default) and kept in the heap
-(glibc's own behaviour): ``freed_memory_peak_ratio`` and ``freed_memory_time_ratio``,
+twice, with what each phase freed returned to the system between phases (the default) and
+kept in the heap (glibc's own behaviour): ``freed_memory_peak_ratio`` and ``freed_memory_time_ratio``,
 kept ÷ returned (full runs only).
 
 Learning, last: three training seeds, each trained in float32 and in bf16 on a fixed task
@@ -238,19 +238,19 @@ def generation(reps: int) -> dict:
 def expert_memory(allocator: str, steps: int) -> dict:
     """An expert trained as the improver trains one (a synthesized retail writes
     environment: a warm start on 16 reference plays, then GRPO steps of 6 turns of up to 96
-    tokens), with freed memory returned to the system (``trace_plugin.freed_memory``, the
-    default) or kept in the heap: the peak resident memory and the wall time of each."""
+    tokens), with what each phase freed returned to the system between phases
+    (``trace_plugin.freed_memory.trim``, the default) or kept in the heap: the peak resident
+    memory and the wall time of each."""
     warnings.filterwarnings("ignore")
-    from trace_plugin import freed_memory
     from trace_plugin.environments.interpreter import SpecEnv
     from trace_plugin.environments.retail import POLICY, TOOLS
     from trace_plugin.environments.synthesis import synthesize
+    from training import experts
     from training.config import ExpertTrainingConfig
     from training.experts import ExpertTrainer
 
     if allocator == "kept":
-        freed_memory.map_large_blocks = lambda: False  # type: ignore[assignment]
-        freed_memory.trim = lambda: None  # type: ignore[assignment]
+        experts.trim = lambda: None  # type: ignore[assignment]
     spec = synthesize("write_completion", TOOLS, system_prompt=POLICY)
     config = ExpertTrainingConfig(
         output_dir=tempfile.mkdtemp() + "/e",

@@ -119,16 +119,12 @@ def load_model(model_dir: str | Path, *, precision: Precision = "float32") -> tu
     ``decode_attention``: SDPA's CPU kernel is slow for them in
     bf16, but not in float32, where it beat ours (``bench/gateway.py``,
     ``decode_attention_speedup``).
-
-    The process then hands freed tensors back to the system (``freed_memory``).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trace_plugin.attention import register_decode_attention
-    from trace_plugin.freed_memory import map_large_blocks
 
-    map_large_blocks()  # a process that holds a model frees tensors of MBs by the thousand
     model_dir = resolve_model(model_dir)
     dtype = torch_dtype(precision)
     cpu_bf16 = dtype == torch.bfloat16 and not torch.cuda.is_available()

@@ -505,6 +505,15 @@ class ExpertTrainer:
             raise FileExistsError(
                 f"{self.final_dir} exists and is not a finished expert; remove it or choose another"
             )
+        # What the process freed before (an evaluation's caches) and after (the trainer)
+        # goes back to the system: training's peak does not stand on the heap's leftovers.
+        trim()
+        try:
+            return self._train()
+        finally:
+            trim()
+
+    def _train(self) -> ExpertResult:
         checkpoint = self._resumable_checkpoint()
         trainer = self._build()
         if checkpoint is not None and self.config.stop_reason(_logged(checkpoint).log_history):
