@@ -28,6 +28,7 @@ LAYERS: list[set[str]] = [  # lowest first
         "trace_plugin.model_files",
         "trace_plugin.generation",
         "trace_plugin.stage_results",
+        "trace_plugin.freed_memory",
     },
     {"trace_plugin.adapter_files"},  # an adapter's files: names, checks, digests
     {"trace_plugin.recorder"},
