@@ -29,7 +29,7 @@ import re
 import tempfile
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -353,6 +353,65 @@ def token_rows(episode: Episode) -> list[Row]:
             }
         )
     return rows
+
+
+@dataclass(frozen=True)
+class TokenPlay:
+    """A whole episode as one token sequence and which of its tokens the model sampled:
+    ``SFTTrainer``'s ``input_ids`` and ``assistant_masks``, as a warm start trains on."""
+
+    input_ids: list[int]
+    assistant_mask: list[int]
+
+
+def token_play(episode: Episode) -> TokenPlay | None:
+    """``episode``'s LLM steps as one sequence: the last step's prompt and completion, with
+    each earlier completion marked as sampled where the next prompt repeats it token for
+    token (a turn that re-renders otherwise stays as context, as serving saw it). None
+    without token ids."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for row in token_rows(episode):
+        prompt, completion = row["prompt_ids"], row["completion_ids"]
+        kept = _common_prefix(ids, prompt)
+        ids = [*prompt, *completion]
+        mask = [*mask[:kept], *[0] * (len(prompt) - kept), *[1] * len(completion)]
+    return TokenPlay(ids, mask) if ids else None
+
+
+def successful_plays(
+    store: Store,
+    agent: str,
+    count: int,
+    *,
+    since: datetime | None = None,
+    exclude: Collection[str] = (),
+) -> list[TokenPlay]:
+    """Up to ``count`` of ``agent``'s newest successful episodes since ``since`` as token
+    plays, each request once and none of ``exclude`` (``request_key``: the requests an
+    evaluation plays). What the deployed agent already does right, in the ids it served."""
+    plays: list[TokenPlay] = []
+    seen = set(exclude)
+    for episode in store.iter_episodes(EpisodeFilter(agent, outcome="success", since=since)):
+        if len(plays) == count:
+            break
+        found = conversation(episode)
+        asked = [m.get("content") for m in found.messages if m["role"] == "user"] if found else []
+        if not asked or (key := request_key(content_text(asked[0]))) in seen:
+            continue
+        if (play := token_play(episode)) is not None:
+            seen.add(key)
+            plays.append(play)
+    return plays
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def request_key(request: str) -> str:
+    """A user request as ``task_key`` normalizes it: spacing and case do not make it new."""
+    return " ".join(request.split()).lower()
 
 
 def _redacted(found: Conversation, redact: Redactor) -> Conversation:

@@ -66,6 +66,9 @@ class ExpertTrainingConfig:
     # The warm start (``training.warm_start``): before GRPO, the LoRA is fine-tuned on this
     # many verified reference plays of the environment (0: GRPO alone, as the paper trains).
     warm_start_plays: int = 32
+    # Beside them, up to this many of the deployed agent's successful episodes, as served
+    # (``export.successful_plays``): the expert keeps what the agent already does right.
+    rehearsal_plays: int = 12
     warm_start_epochs: int = 2
     warm_start_batch_size: int = 4
     warm_start_learning_rate: float = 5e-4
@@ -110,8 +113,10 @@ class ExpertTrainingConfig:
             raise ValueError("hint_fraction must be in [0, 1]")
         if self.precision not in get_args(Precision):
             raise ValueError(f"precision must be one of {get_args(Precision)}, not {self.precision!r}")
-        if self.warm_start_plays < 0 or self.warm_start_epochs < 1 or self.warm_start_batch_size < 1:
-            raise ValueError("warm_start_plays must be >= 0, and its epochs and batch size >= 1")
+        if min(self.warm_start_plays, self.rehearsal_plays) < 0:
+            raise ValueError("warm_start_plays and rehearsal_plays must be >= 0")
+        if min(self.warm_start_epochs, self.warm_start_batch_size) < 1:
+            raise ValueError("the warm start's epochs and batch size must be >= 1")
         if (self.backend == "vllm-server") != (self.vllm_url is not None):
             raise ValueError('backend "vllm-server" needs vllm_url, and vllm_url needs that backend')
         if self.flat_stop_steps < 0:

@@ -59,6 +59,7 @@ from transformers import PrinterCallback, TrainerCallback
 
 from trace_plugin.adapter_files import file_sha256, weights_digest
 from trace_plugin.environments.base import Environment, Task, task_keys, unseen_seeds
+from trace_plugin.export import TokenPlay
 from trace_plugin.freed_memory import trim
 from trace_plugin.generation import folded, until_eos
 from trace_plugin.model_files import load_model, resolve_model
@@ -402,6 +403,7 @@ class ExpertResult:
     # The rollouts offered by the steps after which the adapter was kept (``snapshot``).
     snapshots: list[int] = dataclasses.field(default_factory=list)
     reference_plays: int = 0  # warm-start plays trained on before GRPO (apart from the rollouts)
+    rehearsed: int = 0  # the deployed agent's successful episodes the warm start trained on beside them
     warm_start_losses: list[float] = dataclasses.field(default_factory=list)
     # Rollouts played by GRPO, resampled groups included (``rollout_budget`` is what its steps
     # offer), and why it stopped short of its steps ("flat", "spent"), if it did.
@@ -473,6 +475,7 @@ class ExpertTrainer:
         hint: Hint | None = None,
         examples: Sequence[dict[str, Any]] = (),
         exclude: Collection[str] = (),
+        rehearsal: Sequence[TokenPlay] = (),
         levels: Sequence[Callable[[], Environment]] = (),
         start_level: int = 0,
         progress: bool = True,
@@ -486,6 +489,7 @@ class ExpertTrainer:
         # it climbs them as it masters each (ExpertTrainingConfig.level).
         self.levels, self.start_level = list(levels), start_level
         self.exclude = sorted(set(exclude))  # task keys the warm start must not play (evaluated tasks)
+        self.rehearsal = list(rehearsal)[: config.rehearsal_plays]  # the deployed agent's successes
         self.warm_start: WarmStartResult | None = None
         self.model_dir = resolve_model(model)
         self.hint, self.examples, self.progress = hint, list(examples), progress
@@ -532,7 +536,14 @@ class ExpertTrainer:
         """The newest complete checkpoint of a run with this very config; otherwise a clean slate."""
         stamp = self.work_dir / "config.json"
         wanted = json.dumps(
-            {"config": self.config.learning_dict(), "seeds": self.seeds, "exclude": self.exclude},
+            {
+                "config": self.config.learning_dict(),
+                "seeds": self.seeds,
+                "exclude": self.exclude,
+                "rehearsal": hashlib.sha256(
+                    json.dumps([dataclasses.asdict(r) for r in self.rehearsal]).encode()
+                ).hexdigest(),
+            },
             sort_keys=True,
         )
         if self.work_dir.exists() and (not stamp.is_file() or stamp.read_text() != wanted):
@@ -564,6 +575,7 @@ class ExpertTrainer:
                 self.seeds,
                 self.work_dir,
                 exclude=self.exclude,
+                rehearsal=self.rehearsal,
                 progress=self.progress,
                 callbacks=self.callbacks,
                 console=self.console,
@@ -666,6 +678,7 @@ class ExpertTrainer:
             # Those its steps reached: a run stopped early (flat, or out of rollouts) kept fewer.
             snapshots=[r for r in self.config.snapshots if (self.work_dir / SNAPSHOTS / str(r)).is_dir()],
             reference_plays=self.warm_start.plays if self.warm_start else 0,
+            rehearsed=self.warm_start.rehearsed if self.warm_start else 0,
             warm_start_losses=self.warm_start.losses if self.warm_start else [],
             rollouts_spent=int(sum(entry.get("rollouts/spent", 0) for entry in logs)),
             stopped=self.config.stop_reason(trainer.state.log_history) if stopped else None,

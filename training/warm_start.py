@@ -17,6 +17,11 @@ Plays never repeat a task that is evaluated: a play whose request and offered to
 since seeds alone do not separate them (the generic family's no-call requests are three
 fixed strings).
 
+Beside them it rehearses what the deployed agent already does right: its successful
+traffic, in the very ids the gateway served (``export.successful_plays``). An expert trained
+on its environment alone forgot the target's tickets the base model solved (the gate then
+saw it lose a refusal it had never been asked about); the rehearsal keeps them.
+
 The adapter is published atomically (``.partial`` then rename) inside the expert's work
 directory, and SFT checkpoints let a killed warm start resume where it stopped.
 """
@@ -37,6 +42,7 @@ from rich.console import Console
 from transformers import PrinterCallback, TrainerCallback
 
 from trace_plugin.environments.base import DistinctPlays
+from trace_plugin.export import TokenPlay
 from training.checkpoints import checkpoint_step, latest_checkpoint, publish
 from training.config import ExpertTrainingConfig
 from training.episodes import EpisodePlayer, Rollout
@@ -52,27 +58,35 @@ class ReferencePlays:
     """The plays a warm start trains on, and how many seeds were passed over, by reason."""
 
     plays: list[Rollout]
+    rehearsal: list[TokenPlay] = dataclasses.field(default_factory=list)  # the deployed agent's successes
     leaked: int = 0  # the task is one an evaluation plays
     repeated: int = 0  # the same request and tools as an earlier play
     unplayable: int = 0  # no reference, unsatisfiable, too many turns, or it did not succeed
 
     @property
     def longest(self) -> int:
-        return max((len(p.prompt_ids) + len(p.completion_ids) for p in self.plays), default=0)
+        return max(len(ids) for ids in self.rows()["input_ids"]) if self.plays else 0
 
     def rows(self) -> dict[str, list[list[int]]]:
         """``SFTTrainer``'s pre-tokenized columns: the whole play, and which tokens are the model's."""
         return {
-            "input_ids": [p.prompt_ids + p.completion_ids for p in self.plays],
-            "assistant_masks": [[0] * len(p.prompt_ids) + p.env_mask for p in self.plays],
+            "input_ids": [p.prompt_ids + p.completion_ids for p in self.plays]
+            + [r.input_ids for r in self.rehearsal],
+            "assistant_masks": [[0] * len(p.prompt_ids) + p.env_mask for p in self.plays]
+            + [r.assistant_mask for r in self.rehearsal],
         }
 
 
 def reference_plays(
-    player: EpisodePlayer, seeds: Sequence[int], count: int, *, exclude: Collection[str] = ()
+    player: EpisodePlayer,
+    seeds: Sequence[int],
+    count: int,
+    *,
+    exclude: Collection[str] = (),
+    rehearsal: Sequence[TokenPlay] = (),
 ) -> ReferencePlays:
     """Up to ``count`` successful reference plays from ``seeds``, in order, none of whose
-    tasks is in ``exclude`` (task keys) or repeats an earlier play's."""
+    tasks is in ``exclude`` (task keys) or repeats an earlier play's, and ``rehearsal`` beside them."""
     plays: list[Rollout] = []
     skipped: Counter[str] = Counter()
     distinct = DistinctPlays(player.env_factory, player.reference, exclude)
@@ -84,7 +98,9 @@ def reference_plays(
             skipped[play] += 1
         else:
             plays.append(play)
-    return ReferencePlays(plays, skipped["leaked"], skipped["repeated"], skipped["unplayable"])
+    return ReferencePlays(
+        plays, list(rehearsal), skipped["leaked"], skipped["repeated"], skipped["unplayable"]
+    )
 
 
 @dataclass(frozen=True)
@@ -97,6 +113,7 @@ class WarmStartResult:
     losses: list[float]  # the training loss per logged step
     resumed_from_step: int | None = None  # the SFT checkpoint a killed run continued from
     play_seeds: list[int] = dataclasses.field(default_factory=list)  # the seeds it played (absent: older)
+    rehearsed: int = 0  # the deployed agent's successful episodes beside the plays
 
 
 class WarmStartTrainer:
@@ -114,18 +131,21 @@ class WarmStartTrainer:
         work_dir: Path,
         *,
         exclude: Collection[str] = (),
+        rehearsal: Sequence[TokenPlay] = (),
         progress: bool = True,
         callbacks: Sequence[TrainerCallback] = (),
         console: Console | None = None,
     ) -> None:
         self.config, self.player, self.seeds = config, player, list(seeds)
+        self.rehearsal = list(rehearsal)
         self.exclude, self.progress, self.callbacks = frozenset(exclude), progress, list(callbacks)
         self.console = console or Console()
         self.final_dir = work_dir / WARM_START_DIR
         self.partial_dir = work_dir / f"{WARM_START_DIR}.partial"
 
     def plays(self) -> ReferencePlays:
-        return reference_plays(self.player, self.seeds, self.config.warm_start_plays, exclude=self.exclude)
+        count = self.config.warm_start_plays
+        return reference_plays(self.player, self.seeds, count, exclude=self.exclude, rehearsal=self.rehearsal)
 
     def train(self, model: Any) -> WarmStartResult | None:
         """Fine-tune ``model`` (the base model) with the expert's LoRA; returns the adapter,
@@ -144,7 +164,7 @@ class WarmStartTrainer:
         trainer = self.build(model, plays)
         self.partial_dir.mkdir(parents=True, exist_ok=True)
         checkpoint = latest_checkpoint(self.partial_dir)
-        bar = _Progress(self.console, len(plays.plays)) if self.progress else None
+        bar = _Progress(self.console, len(plays.plays), len(plays.rehearsal)) if self.progress else None
         if bar is not None:
             trainer.add_callback(bar)
         with bar or nullcontext():
@@ -156,6 +176,7 @@ class WarmStartTrainer:
             losses=[float(e["loss"]) for e in trainer.state.log_history if "loss" in e],
             resumed_from_step=checkpoint_step(checkpoint) if checkpoint else None,
             play_seeds=[p.seed for p in plays.plays],
+            rehearsed=len(plays.rehearsal),
         )
         staging = self.partial_dir / "adapter"
         shutil.rmtree(staging, ignore_errors=True)
@@ -237,8 +258,9 @@ def _shared_opening_trainer() -> type:
 class _Progress(StepProgress):
     """The warm start's bar with the step's loss, and one log line per step."""
 
-    def __init__(self, console: Console, plays: int) -> None:
-        super().__init__(console, f"warm start ({plays} plays)", "loss")
+    def __init__(self, console: Console, plays: int, rehearsed: int) -> None:
+        rehearsal = f", {rehearsed} rehearsed" if rehearsed else ""
+        super().__init__(console, f"warm start ({plays} plays{rehearsal})", "loss")
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any
