@@ -12,9 +12,10 @@ import pytest
 from support.plays import EXAMPLES
 
 from trace_plugin import Store
+from trace_plugin.environments.base import request_key
 from trace_plugin.environments.retail import POLICY, TRAIN_SEEDS, RetailEnv
 from trace_plugin.environments.retail import TOOLS as RETAIL_TOOLS
-from trace_plugin.export import TokenPlay, request_key, successful_plays, token_play
+from trace_plugin.export import TokenPlay, successful_plays, token_play
 from trace_plugin.records.trajectory import Episode, EpisodeEnd, Step, new_episode_id
 from trace_plugin.store.store import EpisodeFilter
 
@@ -23,7 +24,7 @@ T0 = datetime(2026, 3, 1, tzinfo=UTC)
 
 def served(episode_id: str, seq: int, prompt: list[int], completion: list[int], request: str) -> Step:
     """An LLM step the gateway served: its messages, and the ids it generated from and sampled."""
-    messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": request}]
+    messages = [{"role": "system", "content": "You help."}, *EXAMPLES, {"role": "user", "content": request}]
     return Step(
         episode_id,
         seq,

@@ -38,7 +38,7 @@ from typing import Any, Literal, get_args
 import orjson
 
 from trace_plugin.chat_template import arguments_object, content_text
-from trace_plugin.environments.base import DistinctPlays, Environment, play_reference
+from trace_plugin.environments.base import DistinctPlays, Environment, play_reference, request_key
 from trace_plugin.errors import TracePluginError
 from trace_plugin.payload import Redactor, make_redactor, redact_text
 from trace_plugin.records.trajectory import SOURCES, Episode
@@ -388,30 +388,31 @@ def successful_plays(
     exclude: Collection[str] = (),
 ) -> list[TokenPlay]:
     """Up to ``count`` of ``agent``'s newest successful episodes since ``since`` as token
-    plays, each request once and none of ``exclude`` (``request_key``: the requests an
-    evaluation plays). What the deployed agent already does right, in the ids it served."""
+    plays: none whose user messages hold one of ``exclude`` (``request_key``: the requests an
+    evaluation plays), nor the same user messages twice (the agent's worked examples are
+    user messages too, the same in every episode). What the deployed agent already does
+    right, in the ids it served."""
     plays: list[TokenPlay] = []
-    seen = set(exclude)
+    excluded, seen = set(exclude), set()
     for episode in store.iter_episodes(EpisodeFilter(agent, outcome="success", since=since)):
         if len(plays) == count:
             break
         found = conversation(episode)
-        asked = [m.get("content") for m in found.messages if m["role"] == "user"] if found else []
-        if not asked or (key := request_key(content_text(asked[0]))) in seen:
+        asked = (
+            tuple(request_key(content_text(m.get("content"))) for m in found.messages if m["role"] == "user")
+            if found
+            else ()
+        )
+        if not asked or asked in seen or excluded.intersection(asked):
             continue
         if (play := token_play(episode)) is not None:
-            seen.add(key)
+            seen.add(asked)
             plays.append(play)
     return plays
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
-
-def request_key(request: str) -> str:
-    """A user request as ``task_key`` normalizes it: spacing and case do not make it new."""
-    return " ".join(request.split()).lower()
 
 
 def _redacted(found: Conversation, redact: Redactor) -> Conversation:

@@ -180,12 +180,17 @@ def play_reference(
     return ReferencePlay(task, tools, played, told, reward) if reward_succeeds(reward) else None
 
 
+def request_key(request: str) -> str:
+    """A user request as tasks are compared: spacing and case do not make it another."""
+    return " ".join(request.split()).lower()
+
+
 def task_key(prompt: str, tools: list[dict[str, Any]] | None) -> str:
     """What makes two tasks the same to a model: the request and the tools it offers.
 
     Warm-start plays whose key is an evaluated task's are left out; seeds alone do not
     tell tasks apart (a family may draw the same request from different seeds)."""
-    canonical = json.dumps([" ".join(prompt.split()).lower(), tools or []], sort_keys=True)
+    canonical = json.dumps([request_key(prompt), tools or []], sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 from trace_plugin.adapter_files import AdapterError, check_weights
 from trace_plugin.chat_template import gate_input
-from trace_plugin.environments.base import task_keys
+from trace_plugin.environments.base import request_key, task_keys
 from trace_plugin.environments.catalog import chat_player, env_factory, prepare_environment
 from trace_plugin.environments.interpreter import SpecEnv, reference_play, turn_budget
 from trace_plugin.environments.validation import Band
-from trace_plugin.export import TokenPlay, request_key, successful_plays
+from trace_plugin.export import TokenPlay, successful_plays
 from trace_plugin.improver.config import (
     CALIBRATION_SEEDS_START,
     CORPUS_SEEDS,
