@@ -212,3 +212,24 @@ def test_a_conversations_next_turn_continues_from_its_kept_reply_and_changes_no_
     assert [c.token_ids for c in kept] == [
         c.token_ids for c in backend.generate_rows(seconds, [None] * 16, params)
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_an_idle_engine_gives_its_prefix_cache_back_and_builds_it_again_when_asked():
+    """After ``idle_release_s`` without a request the cache is empty (a gateway beside a
+    training run holds no keys and values); the next requests build it again."""
+    import time
+
+    backend = EmbeddedBackend(precision="float32", idle_release_s=0.5)
+    prompts = tickets(backend, 2)
+    params = SamplingParams(max_tokens=4, bad_words=REPLY_FORBIDDEN)
+    first = backend.generate_rows(prompts, [None, None], params)
+    assert len(backend.prefix_cache) >= 1
+    deadline = time.monotonic() + 30
+    while len(backend.prefix_cache) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(backend.prefix_cache) == 0
+    again = backend.generate_rows(prompts, [None, None], params)
+    assert [c.token_ids for c in again] == [c.token_ids for c in first]
+    assert len(backend.prefix_cache) >= 1

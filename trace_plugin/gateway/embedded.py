@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from trace_plugin.chat_template import forbidden_token_ids, render
+from trace_plugin.freed_memory import trim
 from trace_plugin.gateway.backend import (
     BackendError,
     Completion,
@@ -117,11 +118,15 @@ class EmbeddedBackend:
         max_lora_rank: int = 64,
         prefix_cache: int = 64,
         precision: Precision = "auto",
+        idle_release_s: float = 30.0,
     ) -> None:
         self.model_dir = resolve_model(model)
         self.model_id = self.model_dir.name
         self.max_batch = max_batch  # rows decoded together
         self.batch_window_s = batch_window_s  # how long an idle engine waits for company
+        # How long an idle engine keeps its prefix cache (up to 1.5 GB in float32): a gateway
+        # idle beside a training run in its process holds no conversation's keys and values.
+        self.idle_release_s = idle_release_s
         self.max_lora_rank = max_lora_rank
         self.model, self.tokenizer = load_model(self.model_dir, precision=precision)
         self.dtype = self.model.dtype  # the weights'; adapters stay float32, as PEFT loads them
@@ -267,7 +272,7 @@ class EmbeddedBackend:
                     if self._closing and self._submitted.empty():
                         self._engine = None
                         return
-                first = self._submitted.get()  # idle: block until a request comes
+                first = self._next_request()  # idle: block until a request comes
                 time.sleep(self.batch_window_s)  # and let the ones sent with it arrive
                 self._queue_rows(first, waiting)
             with contextlib.suppress(queue.Empty):
@@ -285,6 +290,18 @@ class EmbeddedBackend:
                 waiting.clear()
                 self._running = []
                 self._slots = None
+
+    def _next_request(self) -> _Request | None:
+        """The next request; after ``idle_release_s`` without one, the prefix cache and what
+        the heap freed go back to the system first."""
+        try:
+            return self._submitted.get(timeout=self.idle_release_s)
+        except queue.Empty:
+            if self.prefix_cache is not None:
+                with self._torch:
+                    self.prefix_cache.clear()
+            trim()
+            return self._submitted.get()
 
     def _queue_rows(self, request: _Request | None, waiting: deque[_Row]) -> None:
         """A request's rows join the wait for a slot (None: a wake-up, no request)."""

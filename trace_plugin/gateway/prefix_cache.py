@@ -121,6 +121,10 @@ class PrefixCache:
         for key in [k for k in self._entries if k[0] == adapter]:
             del self._entries[key]
 
+    def clear(self) -> None:
+        """Forget every entry (the engine went idle: the memory goes back)."""
+        self._entries.clear()
+
     def __len__(self) -> int:
         return len(self._entries)
 
