@@ -1,6 +1,7 @@
-"""The warm start's rehearsal: the deployed agent's successful episodes, in the token ids the
-gateway served, trained beside an environment's reference plays so that an expert keeps what
-the agent already does right (``export.successful_plays``, ``training.warm_start``)."""
+"""The warm start's rehearsal: the deployed agent's successful conversations, rendered as
+serving rendered each turn, trained beside an environment's reference plays so that an
+expert keeps what the agent already does right (``export.successful_conversations``,
+``EpisodePlayer.served``)."""
 
 from __future__ import annotations
 
@@ -15,100 +16,127 @@ from trace_plugin import Store
 from trace_plugin.environments.base import request_key
 from trace_plugin.environments.retail import POLICY, TRAIN_SEEDS, RetailEnv
 from trace_plugin.environments.retail import TOOLS as RETAIL_TOOLS
-from trace_plugin.export import TokenPlay, successful_plays, token_play
+from trace_plugin.export import Conversation, conversation, successful_conversations
 from trace_plugin.records.trajectory import Episode, EpisodeEnd, Step, new_episode_id
 from trace_plugin.store.store import EpisodeFilter
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
+OPENING = [{"role": "system", "content": POLICY}, *EXAMPLES]  # every episode's: the agent's context
 
 
-def served(episode_id: str, seq: int, prompt: list[int], completion: list[int], request: str) -> Step:
-    """An LLM step the gateway served: its messages, and the ids it generated from and sampled."""
-    messages = [{"role": "system", "content": "You help."}, *EXAMPLES, {"role": "user", "content": request}]
-    return Step(
-        episode_id,
-        seq,
-        "llm",
-        "m",
-        input={"messages": messages, "tools": []},
-        output={"role": "assistant", "content": "done"},
-        token_ids={"prompt": prompt, "completions": [completion]},
-    )
-
-
-def test_token_play_marks_each_sampled_turn_that_the_next_prompt_repeats():
-    """Three turns: the second prompt repeats the first turn token for token, so the first
-    reply is trained; the third re-renders the second reply otherwise, so that reply stays
-    context, as serving saw it; the last reply is trained."""
-    episode = Episode(new_episode_id(), "shop")
-    episode.steps = [
-        served(episode.id, 0, [1, 2], [10, 11, 2], "hi"),
-        served(episode.id, 1, [1, 2, 10, 11, 2, 5], [20, 21, 2], "hi"),
-        served(episode.id, 2, [1, 2, 10, 11, 2, 5, 20, 99, 2, 6], [30, 2], "hi"),
-    ]
-    play = token_play(episode)
-    assert play == TokenPlay(
-        input_ids=[1, 2, 10, 11, 2, 5, 20, 99, 2, 6, 30, 2],
-        assistant_mask=[0, 0, 1, 1, 1, 0, 1, 0, 0, 0, 1, 1],
-    )
-    assert token_play(Episode(new_episode_id(), "shop")) is None  # no ids, no play
-
-
-def write(store: Store, request: str, minute: int, reward: float, ids: bool = True) -> str:
-    episode = Episode(new_episode_id(), "shop", started_at=T0 + timedelta(minutes=minute))
-    step = served(episode.id, 0, [1, minute], [minute, 2], request)
-    if not ids:
-        step.token_ids = None
-    store.write([episode, step, EpisodeEnd(episode.id, "completed", reward=reward)])
-    return episode.id
-
-
-def test_successful_plays_are_the_newest_successes_each_request_once_and_none_evaluated(db_url):
-    store = Store(db_url)
-    store.upgrade()
-    write(store, "old success", 0, 1.0)  # before ``since``
-    write(store, "Cancel order O-1", 1, 1.0)
-    write(store, "a failure", 2, 0.0)
-    write(store, "no ids", 3, 1.0, ids=False)  # recorded elsewhere than the gateway
-    write(store, "  cancel ORDER  O-1 ", 4, 1.0)  # the same request as minute 1's: once
-    write(store, "an evaluated task", 5, 1.0)
-    write(store, "return item", 6, 1.0)
-    since = T0 + timedelta(minutes=1)
-    plays = successful_plays(store, "shop", 10, since=since, exclude={request_key("An evaluated  task")})
-    assert [p.input_ids for p in plays] == [[1, 6, 6, 2], [1, 4, 4, 2]]  # newest first
-    assert all(p.assistant_mask == [0, 0, 1, 1] for p in plays)
-    assert len(successful_plays(store, "shop", 1, since=since)) == 1
-    assert successful_plays(store, "other", 10) == []
-    store.close()
-
-
-def test_the_warm_start_trains_on_its_rehearsal_beside_the_plays():
-    """The SFT rows are the plays' then the rehearsal's, and the longest row, which sets the
-    trainer's ``max_length``, may be a rehearsed one: nothing is cut."""
+@pytest.fixture(scope="module")
+def player() -> Any:
     from transformers import AutoTokenizer
 
     from trace_plugin.model_files import prepare_tokenizer, resolve_model
     from training.episodes import EpisodePlayer
-    from training.warm_start import reference_plays
 
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(resolve_model(), local_files_only=True))
-    player = EpisodePlayer(tokenizer, RetailEnv, max_turns=6, max_observation_chars=300, examples=EXAMPLES)
-    long = TokenPlay(list(range(5000)), [0] * 4990 + [1] * 10)
-    plays = reference_plays(player, list(TRAIN_SEEDS)[:8], 2, rehearsal=[long])
+    return EpisodePlayer(tokenizer, RetailEnv, max_turns=6, max_observation_chars=300, examples=EXAMPLES)
+
+
+def write(store: Store, request: str, minute: int, reward: float) -> None:
+    """An episode of two model calls: a tool call on ``request``, then the answer."""
+    episode = Episode(new_episode_id(), "shop", started_at=T0 + timedelta(minutes=minute))
+    asked = [*OPENING, {"role": "user", "content": request}]
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_order", "arguments": '{"order_id": "#W1"}'},
+    }
+    first = {"role": "assistant", "content": "", "tool_calls": [call]}
+    result = {"role": "tool", "tool_call_id": "c1", "content": '{"status": "pending"}'}
+    steps = [
+        Step(episode.id, 0, "llm", "m", input={"messages": asked, "tools": []}, output=first),
+        Step(episode.id, 1, "tool", "get_order", {"order_id": "#W1"}, result["content"], tool_call_id="c1"),
+        Step(
+            episode.id,
+            2,
+            "llm",
+            "m",
+            input={"messages": [*asked, first, result], "tools": []},
+            output={"role": "assistant", "content": f"{request}: pending"},
+        ),
+    ]
+    store.write([episode, *steps, EpisodeEnd(episode.id, "completed", reward=reward)])
+
+
+def test_successful_conversations_are_the_newest_successes_each_once_and_none_evaluated(db_url):
+    """Newest first; a failure, an episode before ``since``, one repeating an earlier
+    request (spacing and case aside) and one holding an evaluated request are left out. The
+    worked examples, user messages in every episode, do not make the episodes one."""
+    store = Store(db_url)
+    store.upgrade()
+    write(store, "old success", 0, 1.0)
+    write(store, "Cancel order #W1", 1, 1.0)
+    write(store, "a failure", 2, 0.0)
+    write(store, "  cancel ORDER  #W1 ", 4, 1.0)
+    write(store, "an evaluated task", 5, 1.0)
+    write(store, "return item", 6, 1.0)
+    since = T0 + timedelta(minutes=1)
+    exclude = {request_key("An evaluated  task")}
+    found = successful_conversations(store, "shop", 10, since=since, exclude=exclude)
+    assert [c.messages[len(OPENING)]["content"] for c in found] == ["return item", "  cancel ORDER  #W1 "]
+    assert all(c.opening == len(OPENING) + 1 for c in found)  # the first call's messages
+    assert len(successful_conversations(store, "shop", 1, since=since)) == 1
+    assert successful_conversations(store, "other", 10) == []
+    store.close()
+
+
+def test_a_rehearsed_conversation_trains_the_models_replies_and_not_its_worked_examples(player):
+    """The examples' assistant messages are context (the agent sent them); the two replies
+    its model wrote are trained, each as the template writes it; the tool result between
+    them is not."""
+    request = {"role": "user", "content": "Where is order #W1?"}
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_order", "arguments": '{"order_id": "#W1"}'},
+    }
+    replies = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": '{"status": "pending"}'},
+        {"role": "assistant", "content": "It is pending."},
+    ]
+    opening = [*OPENING, request]
+    played = player.served(Conversation([*opening, *replies], RETAIL_TOOLS, len(opening)))
+    tokenizer = player.tokenizer
+    trained = [t for t, m in zip(played.completion_ids, played.env_mask, strict=True) if m]
+    text = tokenizer.decode(trained)
+    assert text.count("<|im_end|>") == 2 and "get_order" in text and "It is pending." in text
+    assert 'pending"}' not in text  # the tool result
+    assert played.turns == 2
+    example_reply = next(m["content"] for m in EXAMPLES if m["role"] == "assistant" and m.get("content"))
+    assert example_reply[:20] not in text and example_reply[:20] in tokenizer.decode(played.prompt_ids)
+    assert player.served(Conversation(opening, RETAIL_TOOLS, len(opening))) is None  # no reply of its own
+
+
+def test_the_warm_start_trains_on_its_rehearsal_beside_the_plays(player):
+    """The SFT rows are the plays' then the rehearsal's, and the longest row, which sets the
+    trainer's ``max_length``, may be a rehearsed one: nothing is cut."""
+    from training.warm_start import reference_plays
+
+    long = "Please help. " * 400
+    rehearsed = Conversation(
+        [*OPENING, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": long}],
+        [],
+        len(OPENING) + 1,
+    )
+    plays = reference_plays(player, list(TRAIN_SEEDS)[:8], 2, rehearsal=[rehearsed])
     rows = plays.rows()
-    assert len(plays.plays) == 2 and len(rows["input_ids"]) == 3
-    assert rows["input_ids"][2] == long.input_ids and rows["assistant_masks"][2] == long.assistant_mask
-    assert plays.longest == 5000
+    assert len(plays.plays) == 2 and len(plays.rehearsal) == 1 and len(rows["input_ids"]) == 3
+    assert plays.longest == len(rows["input_ids"][2]) > max(len(r) for r in rows["input_ids"][:2])
     assert reference_plays(player, list(TRAIN_SEEDS)[:8], 2).rows()["input_ids"] == rows["input_ids"][:2]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_served_conversations_turns_chain_token_for_token(embedded_backend, sqlite_url, tmp_path):
-    """Through the real gateway on the embedded model, an agent's second turn re-sends its
-    first reply as a message; the gateway re-renders it, and the play marks the first reply
-    trained only where the re-rendered tokens are the ones it sampled. On the retail tools, a
-    reply that is a tool call or text: both turns' replies are trained whole."""
+def test_a_served_conversation_renders_as_the_gateway_served_it_token_for_token(
+    embedded_backend, sqlite_url, tmp_path, player
+):
+    """Through the real gateway on the embedded model, an agent's two turns on a retail
+    ticket: the conversation the store holds, rendered for rehearsal, is the ids the gateway
+    served, and the replies it trains are the ones the model sampled."""
     from trace_plugin import Recorder
     from trace_plugin.gateway.app import GatewayConfig, create_app
     from trace_plugin.gateway.server import start_in_thread
@@ -116,25 +144,15 @@ def test_a_served_conversations_turns_chain_token_for_token(embedded_backend, sq
     recorder = Recorder(sqlite_url)
     backend = embedded_backend
     task = RetailEnv().reset(list(TRAIN_SEEDS)[0])
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": POLICY},
-        *EXAMPLES,
-        {"role": "user", "content": task.prompt},
-    ]
-    with start_in_thread(
-        create_app(backend, config=GatewayConfig(adapter_root=tmp_path, agent="shop"), recorder=recorder)
-    ) as server:
+    messages: list[dict[str, Any]] = [*OPENING, {"role": "user", "content": task.prompt}]
+    app = create_app(backend, config=GatewayConfig(adapter_root=tmp_path, agent="shop"), recorder=recorder)
+    with start_in_thread(app) as server:
 
         def call() -> dict[str, Any]:
+            body = {"model": backend.model_id, "messages": messages, "tools": RETAIL_TOOLS}
             r = httpx.post(
                 f"{server.url}/v1/chat/completions",
-                json={
-                    "model": backend.model_id,
-                    "messages": messages,
-                    "tools": RETAIL_TOOLS,
-                    "temperature": 0,
-                    "max_tokens": 48,
-                },
+                json={**body, "temperature": 0, "max_tokens": 48},
                 headers={"X-Trace-Episode": "served"},
                 timeout=300,
             )
@@ -155,8 +173,15 @@ def test_a_served_conversations_turns_chain_token_for_token(embedded_backend, sq
     store = Store(sqlite_url)
     [episode] = list(store.iter_episodes(EpisodeFilter("shop")))
     first, second = [s.token_ids for s in episode.steps if s.kind == "llm"]
-    play = token_play(episode)
-    assert play.input_ids == second["prompt"] + second["completions"][0]
-    trained = len(first["completions"][0]) + len(second["completions"][0])
-    assert sum(play.assistant_mask) == trained, "the first reply did not re-render token for token"
+    played = player.served(conversation(episode))
+    assert played.prompt_ids == first["prompt"]
+    # Through the second turn's prompt (the first reply as the gateway re-rendered it), the
+    # very ids served; the replies trained are the sampled text, as the template tokenizes
+    # it (a sampled "\n" "\n" may be one "\n\n" token), a reply cut at max_tokens ending there.
+    full = played.prompt_ids + played.completion_ids
+    assert full[: len(second["prompt"])] == second["prompt"]
+    tokenizer, sampled = player.tokenizer, first["completions"][0] + second["completions"][0]
+    trained = [t for t, m in zip(played.completion_ids, played.env_mask, strict=True) if m]
+    cut = "" if sampled[-1] == player.eos else tokenizer.eos_token
+    assert tokenizer.decode(trained) == tokenizer.decode(sampled) + cut
     store.close()

@@ -73,6 +73,9 @@ class Conversation:
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]
+    # The messages the agent's first model call was sent (system prompt, worked examples,
+    # the request): the assistant messages after them are the ones its model wrote.
+    opening: int = 0
 
 
 class Export(Iterator[Row]):
@@ -228,7 +231,9 @@ def conversation(episode: Episode) -> Conversation | None:
     messages = _messages([*raw, reply]) if isinstance(raw, list) and reply is not None else None
     if not messages or messages[-1]["role"] != "assistant":
         return None
-    return Conversation(messages, list(last.tools or []))
+    first = calls[0].input.get("messages")
+    opening = len(_messages(first) or []) if isinstance(first, list) else len(messages) - 1
+    return Conversation(messages, list(last.tools or []), min(opening, len(messages) - 1))
 
 
 def _messages(raw: list[Any]) -> list[dict[str, Any]] | None:
@@ -355,64 +360,34 @@ def token_rows(episode: Episode) -> list[Row]:
     return rows
 
 
-@dataclass(frozen=True)
-class TokenPlay:
-    """A whole episode as one token sequence and which of its tokens the model sampled:
-    ``SFTTrainer``'s ``input_ids`` and ``assistant_masks``, as a warm start trains on."""
-
-    input_ids: list[int]
-    assistant_mask: list[int]
-
-
-def token_play(episode: Episode) -> TokenPlay | None:
-    """``episode``'s LLM steps as one sequence: the last step's prompt and completion, with
-    each earlier completion marked as sampled where the next prompt repeats it token for
-    token (a turn that re-renders otherwise stays as context, as serving saw it). None
-    without token ids."""
-    ids: list[int] = []
-    mask: list[int] = []
-    for row in token_rows(episode):
-        prompt, completion = row["prompt_ids"], row["completion_ids"]
-        kept = _common_prefix(ids, prompt)
-        ids = [*prompt, *completion]
-        mask = [*mask[:kept], *[0] * (len(prompt) - kept), *[1] * len(completion)]
-    return TokenPlay(ids, mask) if ids else None
-
-
-def successful_plays(
+def successful_conversations(
     store: Store,
     agent: str,
     count: int,
     *,
     since: datetime | None = None,
     exclude: Collection[str] = (),
-) -> list[TokenPlay]:
-    """Up to ``count`` of ``agent``'s newest successful episodes since ``since`` as token
-    plays: none whose user messages hold one of ``exclude`` (``request_key``: the requests an
-    evaluation plays), nor the same user messages twice (the agent's worked examples are
-    user messages too, the same in every episode). What the deployed agent already does
-    right, in the ids it served."""
-    plays: list[TokenPlay] = []
+) -> list[Conversation]:
+    """Up to ``count`` of ``agent``'s newest successful episodes since ``since`` as the
+    conversations the agent held: none whose user messages hold one of ``exclude``
+    (``request_key``: the requests an evaluation plays), nor the same user messages twice
+    (the agent's worked examples are user messages too, the same in every episode). What the
+    deployed agent already does right, whichever way it was captured."""
+    found: list[Conversation] = []
     excluded, seen = set(exclude), set()
     for episode in store.iter_episodes(EpisodeFilter(agent, outcome="success", since=since)):
-        if len(plays) == count:
+        if len(found) == count:
             break
-        found = conversation(episode)
-        asked = (
-            tuple(request_key(content_text(m.get("content"))) for m in found.messages if m["role"] == "user")
-            if found
-            else ()
-        )
-        if not asked or asked in seen or excluded.intersection(asked):
+        held = conversation(episode)
+        if held is None:
             continue
-        if (play := token_play(episode)) is not None:
+        asked = tuple(
+            request_key(content_text(m.get("content"))) for m in held.messages if m["role"] == "user"
+        )
+        if asked and asked not in seen and not excluded.intersection(asked):
             seen.add(asked)
-            plays.append(play)
-    return plays
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            found.append(held)
+    return found
 
 
 def _redacted(found: Conversation, redact: Redactor) -> Conversation:
@@ -431,7 +406,7 @@ def _redacted(found: Conversation, redact: Redactor) -> Conversation:
         if "tool_calls" in m:
             m["tool_calls"] = [call(c) for c in m["tool_calls"]]
         messages.append(m)
-    return Conversation(messages, found.tools)
+    return Conversation(messages, found.tools, found.opening)
 
 
 # -- OpenAI's format ---------------------------------------------------------------------

@@ -66,8 +66,8 @@ class ExpertTrainingConfig:
     # The warm start (``training.warm_start``): before GRPO, the LoRA is fine-tuned on this
     # many verified reference plays of the environment (0: GRPO alone, as the paper trains).
     warm_start_plays: int = 32
-    # Beside them, up to this many of the deployed agent's successful episodes, as served
-    # (``export.successful_plays``): the expert keeps what the agent already does right.
+    # Beside them, up to this many of the deployed agent's successful conversations, as
+    # serving rendered them (``EpisodePlayer.served``): the expert keeps what it does right.
     rehearsal_plays: int = 12
     warm_start_epochs: int = 2
     warm_start_batch_size: int = 4

@@ -15,8 +15,15 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
-from trace_plugin.chat_template import TOOL_CHAT_TEMPLATE, assistant_text, forbidden_token_ids, render
+from trace_plugin.chat_template import (
+    TOOL_CHAT_TEMPLATE,
+    assistant_text,
+    forbidden_token_ids,
+    render,
+    to_template_messages,
+)
 from trace_plugin.environments.base import Environment, observe, offered_tools, play_reference
+from trace_plugin.export import Conversation
 from trace_plugin.generation import (
     Layers,
     TemperatureSampler,
@@ -31,6 +38,7 @@ from trace_plugin.tool_calls import parse_completion
 # Text appended to the ticket, or worked example turns placed just before it (a small
 # model copies a demonstrated tool call far more readily than it follows an instruction).
 HintValue = str | list[dict[str, Any]]
+SERVED = -1  # the seed of a rollout that is a captured conversation, no environment's task
 # A generation backend: token-id prompts in, one list of completion ids (EOS included when
 # the model stopped) per prompt out.
 Generate = Callable[[list[list[int]]], list[list[int]]]
@@ -152,6 +160,31 @@ class EpisodePlayer:
             rollout.turns += 1
             rollout.answer = play.told
         rollout.reward = play.reward
+        return rollout
+
+    def served(self, conversation: Conversation) -> Rollout | None:
+        """A captured conversation as serving rendered each of its turns: the prompt before
+        the model's first reply, then each reply as the template writes it (the model's
+        tokens) and what the next prompt adds before the next (tool results, a user's turn).
+        None when it has no reply of the model's, or a later prompt does not extend the
+        earlier one token for token (then serving did not see it as one sequence either)."""
+        messages, tools = conversation.messages, conversation.tools or None
+        rollout: Rollout | None = None
+        for i in range(max(conversation.opening, 1), len(messages)):
+            message = messages[i]
+            if message["role"] != "assistant":
+                continue
+            text = render(self.tokenizer, messages[:i], tools)
+            prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if rollout is None:
+                rollout = Rollout(SERVED, prompt, demonstration=True)
+            else:
+                played = rollout.prompt_ids + rollout.completion_ids
+                if prompt[: len(played)] != played:
+                    return None
+                self._append(rollout, prompt[len(played) :], 0)
+            self._append(rollout, self._assistant_ids(to_template_messages([message])[0]), 1)
+            rollout.turns += 1
         return rollout
 
     def _assistant_ids(self, message: dict[str, Any]) -> list[int]:

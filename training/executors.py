@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from trace_plugin.environments.interpreter import SpecEnv, worked_example
 from trace_plugin.environments.validation import levels
-from trace_plugin.export import TokenPlay
+from trace_plugin.export import Conversation
 from trace_plugin.records.env_spec import EnvSpec
 from training.config import ExpertTrainingConfig
 from training.experts import ExpertResult, ExpertTrainer
@@ -28,7 +28,7 @@ class TrainingJob:
     model: str | None = None  # local model dir; None is the embedded default
     examples: list[dict[str, Any]] = field(default_factory=list)  # the agent's few-shot context
     exclude: list[str] = field(default_factory=list)  # task keys of evaluated tasks: no warm-start play
-    rehearsal: list[TokenPlay] = field(default_factory=list)  # the deployed agent's successes, as served
+    rehearsal: list[Conversation] = field(default_factory=list)  # the deployed agent's successes, as served
     progress: bool = True
 
 

@@ -59,7 +59,7 @@ from transformers import PrinterCallback, TrainerCallback
 
 from trace_plugin.adapter_files import file_sha256, weights_digest
 from trace_plugin.environments.base import Environment, Task, task_keys, unseen_seeds
-from trace_plugin.export import TokenPlay
+from trace_plugin.export import Conversation
 from trace_plugin.freed_memory import trim
 from trace_plugin.generation import folded, until_eos
 from trace_plugin.model_files import load_model, resolve_model
@@ -475,7 +475,7 @@ class ExpertTrainer:
         hint: Hint | None = None,
         examples: Sequence[dict[str, Any]] = (),
         exclude: Collection[str] = (),
-        rehearsal: Sequence[TokenPlay] = (),
+        rehearsal: Sequence[Conversation] = (),
         levels: Sequence[Callable[[], Environment]] = (),
         start_level: int = 0,
         progress: bool = True,

@@ -18,7 +18,8 @@ since seeds alone do not separate them (the generic family's no-call requests ar
 fixed strings).
 
 Beside them it rehearses what the deployed agent already does right: its successful
-traffic, in the very ids the gateway served (``export.successful_plays``). An expert trained
+traffic (``export.successful_conversations``), rendered as serving rendered each turn
+(``EpisodePlayer.served``). An expert trained
 on its environment alone forgot the target's tickets the base model solved (the gate then
 saw it lose a refusal it had never been asked about); the rehearsal keeps them.
 
@@ -42,7 +43,7 @@ from rich.console import Console
 from transformers import PrinterCallback, TrainerCallback
 
 from trace_plugin.environments.base import DistinctPlays
-from trace_plugin.export import TokenPlay
+from trace_plugin.export import Conversation
 from training.checkpoints import checkpoint_step, latest_checkpoint, publish
 from training.config import ExpertTrainingConfig
 from training.episodes import EpisodePlayer, Rollout
@@ -58,22 +59,22 @@ class ReferencePlays:
     """The plays a warm start trains on, and how many seeds were passed over, by reason."""
 
     plays: list[Rollout]
-    rehearsal: list[TokenPlay] = dataclasses.field(default_factory=list)  # the deployed agent's successes
+    rehearsal: list[Rollout] = dataclasses.field(default_factory=list)  # the deployed agent's successes
     leaked: int = 0  # the task is one an evaluation plays
     repeated: int = 0  # the same request and tools as an earlier play
     unplayable: int = 0  # no reference, unsatisfiable, too many turns, or it did not succeed
 
     @property
     def longest(self) -> int:
-        return max(len(ids) for ids in self.rows()["input_ids"]) if self.plays else 0
+        rows = [*self.plays, *self.rehearsal]
+        return max((len(p.prompt_ids) + len(p.completion_ids) for p in rows), default=0)
 
     def rows(self) -> dict[str, list[list[int]]]:
         """``SFTTrainer``'s pre-tokenized columns: the whole play, and which tokens are the model's."""
+        rows = [*self.plays, *self.rehearsal]
         return {
-            "input_ids": [p.prompt_ids + p.completion_ids for p in self.plays]
-            + [r.input_ids for r in self.rehearsal],
-            "assistant_masks": [[0] * len(p.prompt_ids) + p.env_mask for p in self.plays]
-            + [r.assistant_mask for r in self.rehearsal],
+            "input_ids": [p.prompt_ids + p.completion_ids for p in rows],
+            "assistant_masks": [[0] * len(p.prompt_ids) + p.env_mask for p in rows],
         }
 
 
@@ -83,10 +84,11 @@ def reference_plays(
     count: int,
     *,
     exclude: Collection[str] = (),
-    rehearsal: Sequence[TokenPlay] = (),
+    rehearsal: Sequence[Conversation] = (),
 ) -> ReferencePlays:
     """Up to ``count`` successful reference plays from ``seeds``, in order, none of whose
-    tasks is in ``exclude`` (task keys) or repeats an earlier play's, and ``rehearsal`` beside them."""
+    tasks is in ``exclude`` (task keys) or repeats an earlier play's, and beside them the
+    ``rehearsal`` conversations as serving rendered them (those it cannot render, left out)."""
     plays: list[Rollout] = []
     skipped: Counter[str] = Counter()
     distinct = DistinctPlays(player.env_factory, player.reference, exclude)
@@ -98,9 +100,8 @@ def reference_plays(
             skipped[play] += 1
         else:
             plays.append(play)
-    return ReferencePlays(
-        plays, list(rehearsal), skipped["leaked"], skipped["repeated"], skipped["unplayable"]
-    )
+    served = [r for r in map(player.served, rehearsal) if r is not None]
+    return ReferencePlays(plays, served, skipped["leaked"], skipped["repeated"], skipped["unplayable"])
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class WarmStartTrainer:
         work_dir: Path,
         *,
         exclude: Collection[str] = (),
-        rehearsal: Sequence[TokenPlay] = (),
+        rehearsal: Sequence[Conversation] = (),
         progress: bool = True,
         callbacks: Sequence[TrainerCallback] = (),
         console: Console | None = None,

@@ -18,7 +18,7 @@ from trace_plugin.environments.base import request_key, task_keys
 from trace_plugin.environments.catalog import chat_player, env_factory, prepare_environment
 from trace_plugin.environments.interpreter import SpecEnv, reference_play, turn_budget
 from trace_plugin.environments.validation import Band
-from trace_plugin.export import TokenPlay, successful_plays
+from trace_plugin.export import Conversation, successful_conversations
 from trace_plugin.improver.config import (
     CALIBRATION_SEEDS_START,
     CORPUS_SEEDS,
@@ -181,9 +181,9 @@ def train(improver: CycleContext, cycle: str, capability: str, env: Synthesized)
     examples = improver.examples()
     source = "set in the config" if config.examples is not None else "the commonest in traffic"
     improver.console.log(f"{capability}: trains behind {len(examples)} few-shot message(s), {source}")
-    rehearsal = rehearsal_plays(improver, training.rehearsal_plays if training.warm_start_plays else 0)
-    if rehearsal:
-        improver.console.log(f"{capability}: rehearses {len(rehearsal)} successes of the live agent")
+    rehearsed = rehearsal(improver, training.rehearsal_plays if training.warm_start_plays else 0)
+    if rehearsed:
+        improver.console.log(f"{capability}: rehearses {len(rehearsed)} successes of the live agent")
     job = TrainingJob(
         record.spec.model_dump(mode="json", by_alias=True),
         list(TRAINING_SEEDS),
@@ -191,7 +191,7 @@ def train(improver: CycleContext, cycle: str, capability: str, env: Synthesized)
         config.model,
         examples,
         exclude=sorted(evaluated_task_keys(config, record.spec, improver.store)),
-        rehearsal=rehearsal,
+        rehearsal=rehearsed,
     )
     try:
         [result] = (improver.executor or LocalExecutor()).run([job])
@@ -253,7 +253,7 @@ def evaluated_task_keys(config: ImproverConfig, spec: EnvSpec, store: Store) -> 
     return keys
 
 
-def rehearsal_plays(improver: CycleContext, count: int) -> list[TokenPlay]:
+def rehearsal(improver: CycleContext, count: int) -> list[Conversation]:
     """Up to ``count`` successful episodes of the traffic the live deployment served (all of
     it before the first), none of them a request the target's evaluations play."""
     if not count:
@@ -265,7 +265,7 @@ def rehearsal_plays(improver: CycleContext, count: int) -> list[TokenPlay]:
         factory = env_factory(config.target, improver.store)
         evaluated = {request_key(factory().reset(seed).prompt) for seed in target}
     since = live.updated_at if live else None
-    return successful_plays(improver.store, config.agent, count, since=since, exclude=evaluated)
+    return successful_conversations(improver.store, config.agent, count, since=since, exclude=evaluated)
 
 
 async def load_candidates(improver: CycleContext, experts: dict[str, str]) -> dict[str, str]:
