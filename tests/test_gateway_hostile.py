@@ -121,6 +121,24 @@ def test_a_chunked_body_over_the_limit_is_refused_and_never_reaches_the_backend(
         assert status == 200 and answer["choices"][0]["text"] == backend.reply, answer
 
 
+def test_stopping_the_server_lets_its_backend_close_to_the_end(tokenizer, tmp_path):
+    """The lifespan closes the backend outside its cancelled task group: a close that awaits
+    (the embedded engine's join) finishes, so no engine thread outlives the server (one left
+    running at exit aborted the process: "terminate called without an active exception")."""
+    import asyncio
+
+    closed: list[bool] = []
+
+    class SlowToClose(ScriptedBackend):
+        async def close(self) -> None:
+            await asyncio.sleep(0.05)
+            closed.append(True)
+
+    with start_in_thread(create_app(SlowToClose(tokenizer), config=GatewayConfig(adapter_root=tmp_path))):
+        pass
+    assert closed == [True]
+
+
 # -- errors in OpenAI's shape, the framework's own too -----------------------------------
 
 

@@ -94,14 +94,16 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     gateway.registry.clear_mixtures()
     for name, path in gateway.config.adapters.items():
         await gateway.registry.load(name, path)
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(_sweep, gateway)
-        try:
-            yield
-        finally:
-            tasks.cancel_scope.cancel()
-            gateway.episodes.close()  # none left running
-            await gateway.backend.close()
+    try:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(_sweep, gateway)
+            try:
+                yield
+            finally:
+                tasks.cancel_scope.cancel()
+    finally:  # outside the cancelled scope, or the backend's close is cancelled at its first await
+        gateway.episodes.close()  # none left running
+        await gateway.backend.close()
 
 
 async def _sweep(gateway: GatewayState) -> None:
