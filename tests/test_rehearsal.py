@@ -185,3 +185,15 @@ def test_a_served_conversation_renders_as_the_gateway_served_it_token_for_token(
     cut = "" if sampled[-1] == player.eos else tokenizer.eos_token
     assert tokenizer.decode(trained) == tokenizer.decode(sampled) + cut
     store.close()
+
+
+def test_the_rehearsal_is_a_share_of_the_warm_starts_plays():
+    """A quarter by default: the quick demo's 48 plays rehearse up to 12 conversations, and
+    the tests' two plays none, so they cost what they did."""
+    from training.config import ExpertTrainingConfig
+
+    assert ExpertTrainingConfig(warm_start_plays=48).rehearsal_plays == 12
+    assert ExpertTrainingConfig(warm_start_plays=2).rehearsal_plays == 0
+    assert ExpertTrainingConfig(warm_start_plays=48, rehearsal_share=0).rehearsal_plays == 0
+    with pytest.raises(ValueError, match="rehearsal_share"):
+        ExpertTrainingConfig(rehearsal_share=1.5)

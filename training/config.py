@@ -66,9 +66,10 @@ class ExpertTrainingConfig:
     # The warm start (``training.warm_start``): before GRPO, the LoRA is fine-tuned on this
     # many verified reference plays of the environment (0: GRPO alone, as the paper trains).
     warm_start_plays: int = 32
-    # Beside them, up to this many of the deployed agent's successful conversations, as
-    # serving rendered them (``EpisodePlayer.served``): the expert keeps what it does right.
-    rehearsal_plays: int = 12
+    # Beside them, up to this share of their number of the deployed agent's successful
+    # conversations, as serving rendered them (``EpisodePlayer.served``): the expert keeps
+    # what the agent already does right.
+    rehearsal_share: float = 0.25
     warm_start_epochs: int = 2
     warm_start_batch_size: int = 4
     warm_start_learning_rate: float = 5e-4
@@ -113,8 +114,8 @@ class ExpertTrainingConfig:
             raise ValueError("hint_fraction must be in [0, 1]")
         if self.precision not in get_args(Precision):
             raise ValueError(f"precision must be one of {get_args(Precision)}, not {self.precision!r}")
-        if min(self.warm_start_plays, self.rehearsal_plays) < 0:
-            raise ValueError("warm_start_plays and rehearsal_plays must be >= 0")
+        if self.warm_start_plays < 0 or not 0 <= self.rehearsal_share <= 1:
+            raise ValueError("warm_start_plays must be >= 0, and rehearsal_share within [0, 1]")
         if min(self.warm_start_epochs, self.warm_start_batch_size) < 1:
             raise ValueError("the warm start's epochs and batch size must be >= 1")
         if (self.backend == "vllm-server") != (self.vllm_url is not None):
@@ -199,6 +200,11 @@ class ExpertTrainingConfig:
             data["lora_target_modules"] = list(data["lora_target_modules"])
         data["snapshots"] = list(self.snapshots)  # as JSON stores it
         return data
+
+    @property
+    def rehearsal_plays(self) -> int:
+        """How many of the deployed agent's conversations the warm start rehearses, at most."""
+        return int(self.warm_start_plays * self.rehearsal_share)
 
     def learning_dict(self) -> dict[str, Any]:
         """``to_dict`` without where the run takes place: a run resumed against a vLLM

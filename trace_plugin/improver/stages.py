@@ -181,7 +181,7 @@ def train(improver: CycleContext, cycle: str, capability: str, env: Synthesized)
     examples = improver.examples()
     source = "set in the config" if config.examples is not None else "the commonest in traffic"
     improver.console.log(f"{capability}: trains behind {len(examples)} few-shot message(s), {source}")
-    rehearsed = rehearsal(improver, training.rehearsal_plays if training.warm_start_plays else 0)
+    rehearsed = rehearsal(improver, training.rehearsal_plays)
     if rehearsed:
         improver.console.log(f"{capability}: rehearses {len(rehearsed)} successes of the live agent")
     job = TrainingJob(
