@@ -403,7 +403,7 @@ class ExpertResult:
     # The rollouts offered by the steps after which the adapter was kept (``snapshot``).
     snapshots: list[int] = dataclasses.field(default_factory=list)
     reference_plays: int = 0  # warm-start plays trained on before GRPO (apart from the rollouts)
-    rehearsed: int = 0  # the deployed agent's successful episodes the warm start trained on beside them
+    rehearsed: int = 0  # the deployed agent's successful conversations the warm start trained on too
     warm_start_losses: list[float] = dataclasses.field(default_factory=list)
     # Rollouts played by GRPO, resampled groups included (``rollout_budget`` is what its steps
     # offer), and why it stopped short of its steps ("flat", "spent"), if it did.
