@@ -111,22 +111,22 @@ def test_a_rehearsed_conversation_trains_the_models_replies_and_not_its_worked_e
     assert player.served(Conversation(opening, RETAIL_TOOLS, len(opening))) is None  # no reply of its own
 
 
-def test_the_warm_start_trains_on_its_rehearsal_beside_the_plays(player):
-    """The SFT rows are the plays' then the rehearsal's, and the longest row, which sets the
-    trainer's ``max_length``, may be a rehearsed one: nothing is cut."""
+def test_the_warm_start_trains_on_its_rehearsal_beside_the_plays_none_longer_than_they(player):
+    """The SFT rows are the plays' then the rehearsal's; a conversation longer than the
+    longest play is left out, so the trainer's ``max_length`` (its memory) is the plays'."""
     from training.warm_start import reference_plays
 
-    long = "Please help. " * 400
-    rehearsed = Conversation(
-        [*OPENING, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": long}],
-        [],
-        len(OPENING) + 1,
+    def said(reply: str) -> Conversation:
+        asked = [*OPENING, {"role": "user", "content": "Hi"}]
+        return Conversation([*asked, {"role": "assistant", "content": reply}], RETAIL_TOOLS, len(asked))
+
+    alone = reference_plays(player, list(TRAIN_SEEDS)[:8], 2)
+    plays = reference_plays(
+        player, list(TRAIN_SEEDS)[:8], 2, rehearsal=[said("Hello!"), said("Help. " * 2000)]
     )
-    plays = reference_plays(player, list(TRAIN_SEEDS)[:8], 2, rehearsal=[rehearsed])
     rows = plays.rows()
     assert len(plays.plays) == 2 and len(plays.rehearsal) == 1 and len(rows["input_ids"]) == 3
-    assert plays.longest == len(rows["input_ids"][2]) > max(len(r) for r in rows["input_ids"][:2])
-    assert reference_plays(player, list(TRAIN_SEEDS)[:8], 2).rows()["input_ids"] == rows["input_ids"][:2]
+    assert rows["input_ids"][:2] == alone.rows()["input_ids"] and plays.longest == alone.longest
 
 
 @pytest.mark.slow

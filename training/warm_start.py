@@ -88,7 +88,9 @@ def reference_plays(
 ) -> ReferencePlays:
     """Up to ``count`` successful reference plays from ``seeds``, in order, none of whose
     tasks is in ``exclude`` (task keys) or repeats an earlier play's, and beside them the
-    ``rehearsal`` conversations as serving rendered them (those it cannot render, left out)."""
+    ``rehearsal`` conversations as serving rendered them: none longer than the longest play,
+    which sets the warm start's memory and step time (the quick demo's longest successes
+    were an agent calling tools seven times before it answered), nor one it cannot render."""
     plays: list[Rollout] = []
     skipped: Counter[str] = Counter()
     distinct = DistinctPlays(player.env_factory, player.reference, exclude)
@@ -100,7 +102,10 @@ def reference_plays(
             skipped[play] += 1
         else:
             plays.append(play)
-    served = [r for r in map(player.served, rehearsal) if r is not None]
+    longest = max((len(p.prompt_ids) + len(p.completion_ids) for p in plays), default=0)
+    served = [
+        r for r in map(player.served, rehearsal) if r and len(r.prompt_ids) + len(r.completion_ids) <= longest
+    ]
     return ReferencePlays(plays, served, skipped["leaked"], skipped["repeated"], skipped["unplayable"])
 
 
