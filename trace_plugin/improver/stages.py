@@ -254,7 +254,7 @@ def evaluated_task_keys(config: ImproverConfig, spec: EnvSpec, store: Store) -> 
 
 
 def rehearsal(improver: CycleContext, count: int) -> list[Conversation]:
-    """Up to ``count`` successful episodes of the traffic the live deployment served (all of
+    """Up to ``count`` successful conversations of the traffic the live deployment served (all of
     it before the first), none of them a request the target's evaluations play."""
     if not count:
         return []
