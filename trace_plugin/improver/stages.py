@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from trace_plugin.adapter_files import AdapterError, check_weights
 from trace_plugin.chat_template import gate_input
-from trace_plugin.environments.base import request_key, task_keys
+from trace_plugin.environments.base import Environment, request_key, task_keys
 from trace_plugin.environments.catalog import chat_player, env_factory, prepare_environment
 from trace_plugin.environments.interpreter import SpecEnv, reference_play, turn_budget
 from trace_plugin.environments.validation import Band
@@ -247,10 +247,20 @@ def evaluated_task_keys(config: ImproverConfig, spec: EnvSpec, store: Store) -> 
     keys = task_keys(
         lambda: SpecEnv(spec), [*HELD_OUT_SEEDS[: config.eval_seeds], *GATE_SEEDS[: config.gate_seeds]]
     )
-    target = [*config.target_seeds, *config.reported_seeds]
-    if config.target is not None and target:
-        keys |= task_keys(env_factory(config.target, store), target)
+    if target := evaluated_target(config, store):
+        keys |= task_keys(*target)
     return keys
+
+
+def evaluated_target(
+    config: ImproverConfig, store: Store
+) -> tuple[Callable[[], Environment], list[int]] | None:
+    """The target's environment and the seeds its evaluations play (the gate's and the
+    reports'), or None where there is no target to evaluate."""
+    seeds = [*config.target_seeds, *config.reported_seeds]
+    if config.target is None or not seeds:
+        return None
+    return env_factory(config.target, store), seeds
 
 
 def rehearsal(improver: CycleContext, count: int) -> list[Conversation]:
@@ -260,10 +270,9 @@ def rehearsal(improver: CycleContext, count: int) -> list[Conversation]:
         return []
     config, live = improver.config, improver.live()
     evaluated: set[str] = set()
-    target = [*config.target_seeds, *config.reported_seeds]
-    if config.target is not None and target:
-        factory = env_factory(config.target, improver.store)
-        evaluated = {request_key(factory().reset(seed).prompt) for seed in target}
+    if target := evaluated_target(config, improver.store):
+        factory, seeds = target
+        evaluated = {request_key(factory().reset(seed).prompt) for seed in seeds}
     since = live.updated_at if live else None
     return successful_conversations(improver.store, config.agent, count, since=since, exclude=evaluated)
 
