@@ -111,14 +111,16 @@ def test_a_rehearsed_conversation_trains_the_models_replies_and_not_its_worked_e
     assert player.served(Conversation(opening, RETAIL_TOOLS, len(opening))) is None  # no reply of its own
 
 
+def said(reply: str) -> Conversation:
+    """A one-reply conversation the agent served."""
+    asked = [*OPENING, {"role": "user", "content": "Hi"}]
+    return Conversation([*asked, {"role": "assistant", "content": reply}], RETAIL_TOOLS, len(asked))
+
+
 def test_the_warm_start_trains_on_its_rehearsal_beside_the_plays_none_longer_than_they(player):
     """The SFT rows are the plays' then the rehearsal's; a conversation longer than the
     longest play is left out, so the trainer's ``max_length`` (its memory) is the plays'."""
     from training.warm_start import reference_plays
-
-    def said(reply: str) -> Conversation:
-        asked = [*OPENING, {"role": "user", "content": "Hi"}]
-        return Conversation([*asked, {"role": "assistant", "content": reply}], RETAIL_TOOLS, len(asked))
 
     alone = reference_plays(player, list(TRAIN_SEEDS)[:8], 2)
     plays = reference_plays(
@@ -127,6 +129,49 @@ def test_the_warm_start_trains_on_its_rehearsal_beside_the_plays_none_longer_tha
     rows = plays.rows()
     assert len(plays.plays) == 2 and len(plays.rehearsal) == 1 and len(rows["input_ids"]) == 3
     assert rows["input_ids"][:2] == alone.rows()["input_ids"] and plays.longest == alone.longest
+
+
+def test_a_warm_start_batch_holds_plays_or_rehearsed_conversations_not_both(player, tmp_path):
+    """The loss pass runs a batch's common opening once, and a play and a rehearsed
+    conversation share none: the trainer's own data loader gives batches of one kind, every
+    row once an epoch, in an order the same epoch repeats (a resumed run skips what it
+    trained) and the next epoch reshuffles."""
+    from trace_plugin.model_files import load_model, resolve_model
+    from training.config import ExpertTrainingConfig
+    from training.warm_start import WarmStartTrainer
+
+    config = ExpertTrainingConfig(warm_start_plays=8, warm_start_epochs=1, warm_start_batch_size=4)
+    rehearsal = [said(f"Reply number {i}.") for i in range(4)]
+    warm = WarmStartTrainer(config, player, list(TRAIN_SEEDS), tmp_path, rehearsal=rehearsal, progress=False)
+    plays = warm.plays()
+    assert (len(plays.plays), len(plays.rehearsal)) == (8, 4)
+    model, _ = load_model(resolve_model())
+    trainer = warm.build(model, plays)
+    kind = {tuple(ids): k for ids, k in zip(plays.rows()["input_ids"], plays.kinds, strict=True)}
+    orders = []
+    for epoch in (0, 0, 1):
+        loader = trainer.get_train_dataloader()
+        loader.set_epoch(epoch)
+        seen = []
+        for batch in loader:
+            rows = [
+                tuple(ids[mask == 1].tolist())
+                for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True)
+            ]
+            assert len({kind[row] for row in rows}) == 1
+            seen += rows
+        assert sorted(seen) == sorted(kind)
+        orders.append(seen)
+    assert orders[0] == orders[1] != orders[2]
+
+
+def test_whole_batches_of_one_kind_come_first_and_the_rest_of_each_kind_last():
+    from training.warm_start import BatchesOfOneKind
+
+    kinds = [0] * 6 + [1] * 3
+    order = list(BatchesOfOneKind(kinds, 4, seed=7))
+    assert sorted(order) == list(range(9))
+    assert len({kinds[i] for i in order[:4]}) == 1 and sorted(kinds[i] for i in order[4:]) == [0, 0, 1, 1, 1]
 
 
 @pytest.mark.slow

@@ -23,6 +23,12 @@ traffic (``export.successful_conversations``), rendered as serving rendered each
 request of the agent, and lost tickets the base model solved (the quick demo's gate saw
 0.12 against the base's 0.25 on its own tasks); the rehearsal keeps them.
 
+The loss pass runs a batch's common opening once (``opening_once_forward``), and a play
+and a rehearsed conversation share none (the environment's prompt against the one serving
+rendered): a batch holding both runs every row whole, three times a plays-only step in the
+headline's first run with rehearsal (75–81 s against 26–30). So the rows are ordered
+(``BatchesOfOneKind``) so that every batch holds one kind of row where the counts allow.
+
 The adapter is published atomically (``.partial`` then rename) inside the expert's work
 directory, and SFT checkpoints let a killed warm start resume where it stopped.
 """
@@ -31,15 +37,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import shutil
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from torch.utils.data import Sampler
 from transformers import PrinterCallback, TrainerCallback
 
 from trace_plugin.environments.base import DistinctPlays
@@ -68,6 +76,11 @@ class ReferencePlays:
     def longest(self) -> int:
         rows = [*self.plays, *self.rehearsal]
         return max((len(p.prompt_ids) + len(p.completion_ids) for p in rows), default=0)
+
+    @property
+    def kinds(self) -> list[int]:
+        """Each row's kind, in ``rows`` order: 0 for a play, 1 for a rehearsed conversation."""
+        return [0] * len(self.plays) + [1] * len(self.rehearsal)
 
     def rows(self) -> dict[str, list[list[int]]]:
         """``SFTTrainer``'s pre-tokenized columns: the whole play, and which tokens are the model's."""
@@ -199,6 +212,7 @@ class WarmStartTrainer:
 
         args = self.config.sft_config(self.partial_dir, plays.longest)  # never truncated
         trainer = _shared_opening_trainer()(
+            kinds=plays.kinds,
             model=model,
             args=args,
             train_dataset=Dataset.from_dict(plays.rows()),
@@ -253,12 +267,48 @@ def _shared_opening_trainer() -> type:
             return opening_once_forward(self.model, input_ids, attention_mask, labels)
 
     class SharedOpeningSFTTrainer(SFTTrainer):
+        def __init__(self, *args: Any, kinds: Sequence[int], **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.kinds = list(kinds)
+
+        def _get_train_sampler(self, train_dataset: Any = None) -> Sampler[int]:
+            return BatchesOfOneKind(self.kinds, self.args.per_device_train_batch_size, self.args.seed)
+
         def compute_loss(
             self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
         ) -> Any:
             return super().compute_loss(_OpeningOnce(model), inputs, return_outputs, num_items_in_batch)
 
     return SharedOpeningSFTTrainer
+
+
+class BatchesOfOneKind(Sampler[int]):
+    """Every row once an epoch, shuffled, in whole batches of one kind in a shuffled order,
+    then what is left of each kind (at most two batches, which may mix kinds). The order is
+    the seed's and the epoch's, so a resumed run skips the batches the killed one trained
+    (the trainer calls ``set_epoch``)."""
+
+    def __init__(self, kinds: Sequence[int], batch_size: int, seed: int) -> None:
+        self.kinds, self.batch_size, self.seed, self.epoch = list(kinds), batch_size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.kinds)
+
+    def __iter__(self) -> Iterator[int]:
+        shuffle = random.Random(f"{self.seed}:{self.epoch}").shuffle
+        batches: list[list[int]] = []
+        rest: list[int] = []
+        for kind in sorted(set(self.kinds)):
+            rows = [i for i, k in enumerate(self.kinds) if k == kind]
+            shuffle(rows)
+            whole = len(rows) - len(rows) % self.batch_size
+            batches += [rows[i : i + self.batch_size] for i in range(0, whole, self.batch_size)]
+            rest += rows[whole:]
+        shuffle(batches)
+        return iter([row for batch in batches for row in batch] + rest)
 
 
 class _Progress(StepProgress):
