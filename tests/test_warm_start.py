@@ -263,6 +263,49 @@ def test_the_common_opening_once_equals_the_plain_forward_in_loss_and_gradients(
         assert error < 1e-4, (name, float(error))
 
 
+def test_rows_of_different_openings_run_whole_each_layer_replayed_in_backward(monkeypatch):
+    """A batch that shares no opening (a leftover batch mixing plays and rehearsed
+    conversations) runs each row whole, and still keeps no layer's activations: its memory
+    is a shared batch's, and its loss and gradients the plain forward's."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from trl.trainer.utils import add_fused_lm_head
+
+    from trace_plugin.model_files import load_model
+    from training.warm_start import opening_once_forward
+
+    model, _ = load_model(resolve_model())
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    add_fused_lm_head(model.get_base_model(), outputs=("log_probs", "entropy", "is_top1"))
+    torch.manual_seed(1)
+    input_ids = torch.randint(100, 2000, (2, 30))
+    input_ids[1, 0] = input_ids[0, 0] + 1  # no token in common from the first
+    attention_mask = torch.ones_like(input_ids)
+    labels = input_ids.clone()
+    labels[:, :20] = -100
+    model.train()
+
+    def loss_and_grads(out: Any) -> tuple[Any, dict[str, Any]]:
+        model.zero_grad()
+        loss = -out.log_probs.sum() / out.label_mask.sum()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    plain = loss_and_grads(
+        model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+    )
+    replays = []
+    checkpoint = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(
+        torch.utils.checkpoint, "checkpoint", lambda *a, **k: replays.append(1) or checkpoint(*a, **k)
+    )
+    ours = loss_and_grads(opening_once_forward(model, input_ids, attention_mask, labels))
+    assert len(replays) == model.config.num_hidden_layers
+    assert torch.allclose(ours[0], plain[0], atol=1e-5)
+    for name, grad in plain[1].items():
+        assert (ours[1][name] - grad).norm() / grad.norm().clamp_min(1e-12) < 1e-4, name
+
+
 class Interrupted(Exception):
     pass
 

@@ -233,16 +233,19 @@ def opening_once_forward(model: Any, input_ids: Any, attention_mask: Any, labels
     key/value cache is repeated per row and each row continues from it. Positions and masks
     are the full sequences', and gradients flow back through the cache into the opening's
     LoRA weights, so loss and gradients are those of the plain forward. Each decoder layer is
-    replayed in backward instead of keeping its activations (``training.recompute``).
+    replayed in backward instead of keeping its activations (``training.recompute``), in a
+    batch that shares no opening too: a step's memory is bounded by its rows' length alone.
     """
     trained = (labels != -100).int()
     first_label = int(trained.argmax(dim=1).min()) if bool(trained.any()) else input_ids.size(1)
     same = (input_ids == input_ids[:1]).all(dim=0) & (attention_mask == 1).all(dim=0)
     common = int(same.int().cumprod(dim=0).sum())
     cut = min(common, first_label - 1)  # the label at ``cut`` is scored from inside the opening: none
-    if cut < 1:
-        return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
     with recomputed(model):  # each layer replayed in backward: its activations are not kept
+        if cut < 1:  # rows of different openings: each runs whole
+            return model(
+                input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True
+            )
         opening = SharedPrefix(model, input_ids[:1, :cut], attention_mask[:1, :cut])
         return model(
             input_ids=input_ids[:, cut:],
