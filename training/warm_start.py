@@ -25,9 +25,10 @@ request of the agent, and lost tickets the base model solved (the quick demo's g
 
 The loss pass runs a batch's common opening once (``opening_once_forward``), and a play
 and a rehearsed conversation share none (the environment's prompt against the one serving
-rendered): a batch holding both runs every row whole, three times a plays-only step in the
-headline's first run with rehearsal (75–81 s against 26–30). So the rows are ordered
-(``BatchesOfOneKind``) so that every batch holds one kind of row where the counts allow.
+rendered): a batch holding both runs every row whole, about three times a plays-only step
+in the headline's first run with rehearsal (74–81 s against 26–30). So the rows are
+ordered (``BatchesOfOneKind``) so that every batch holds one kind of row where the counts
+allow.
 
 The adapter is published atomically (``.partial`` then rename) inside the expert's work
 directory, and SFT checkpoints let a killed warm start resume where it stopped.
