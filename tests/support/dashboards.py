@@ -146,13 +146,26 @@ def artifacts() -> Path:
 
 def navigate(browser: Any, element: Any) -> None:
     """Click something that loads a page, and wait until the old one is gone."""
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
 
     page = browser.find_element(By.TAG_NAME, "html")
     element.click()
-    WebDriverWait(browser, 15).until(expected_conditions.staleness_of(page))
+
+    def gone(_: Any) -> bool:
+        try:
+            page.is_enabled()
+        except StaleElementReferenceException:
+            return True
+        except WebDriverException as error:
+            # Chrome, asked mid-navigation, reports the old node as detached this way.
+            if "does not belong to the document" not in (error.msg or ""):
+                raise
+            return True
+        return False
+
+    WebDriverWait(browser, 15).until(gone)
 
 
 def assert_secured(response: httpx.Response) -> None:
