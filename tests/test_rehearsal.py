@@ -131,6 +131,8 @@ def test_the_warm_start_trains_on_its_rehearsal_beside_the_plays_none_longer_tha
     assert rows["input_ids"][:2] == alone.rows()["input_ids"] and plays.longest == alone.longest
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_warm_start_batch_holds_plays_or_rehearsed_conversations_not_both(player, tmp_path):
     """The loss pass runs a batch's common opening once, and a play and a rehearsed
     conversation share none: the trainer's own data loader gives batches of one kind, every

@@ -263,6 +263,8 @@ def test_the_common_opening_once_equals_the_plain_forward_in_loss_and_gradients(
         assert error < 1e-4, (name, float(error))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_rows_of_different_openings_run_whole_each_layer_replayed_in_backward(monkeypatch):
     """A batch that shares no opening (a leftover batch mixing plays and rehearsed
     conversations) runs each row whole, and still keeps no layer's activations: its memory
