@@ -211,10 +211,13 @@ class LevelOneEcho(EchoEnv):
         return type(task)(seed, f"Level one. {task.prompt}", task.kind, task.metadata)
 
 
-def test_grpo_climbs_a_level_once_a_window_of_steps_masters_the_current_one(tokenizer):
+def test_grpo_moves_a_level_by_a_window_of_steps_up_when_mastered_down_when_out_of_reach(tokenizer):
     """After the warm start every group scored 1.00 and was dropped: nothing kept the expert
     in band. As RLVE's adaptive environments do, two steps at 0.9 success move GRPO up a
-    level, before its groups go flat; the level is a function of the logs (a resume agrees)."""
+    level, before its groups go flat; and, as TRACE's band has a floor, two under 0.2 move
+    it back down (the headline's experts climbed once, then logged success 0.00 for 18 and
+    20 steps). The window is the last steps in a row at the level, and the level is a
+    function of the logs (a resume agrees)."""
     config = ExpertTrainingConfig(num_generations=2, groups_per_step=1, rollout_budget=8)
     logged = lambda level, success: {"curriculum/level": level, "episodes/success": success}  # noqa: E731
     assert config.level([], start=0, top=1) == 0
@@ -224,6 +227,15 @@ def test_grpo_climbs_a_level_once_a_window_of_steps_masters_the_current_one(toke
     assert (
         config.level([logged(0, 1.0), logged(0, 1.0), logged(1, 1.0), logged(1, 1.0)], 0, 1) == 1
     )  # the top
+    climbed = [logged(0, 1.0), logged(0, 1.0)]
+    assert config.level([*climbed, logged(1, 0.0)], 0, 2) == 1  # one step is no window
+    assert config.level([*climbed, logged(1, 0.5), logged(1, 0.0)], 0, 2) == 1  # 0.25: in band
+    assert config.level([*climbed, logged(1, 0.25), logged(1, 0.0)], 0, 2) == 0  # 0.125: down
+    assert config.level([*climbed, logged(1, 0.0), logged(1, 0.0)], 0, 2) == 0  # down again
+    assert config.level([logged(0, 0.0), logged(0, 0.0)], 0, 2) == 0  # never below the easiest
+    # Back at level 0 the steps before the climb are no window: only new ones count.
+    assert config.level([*climbed, logged(1, 0.0), logged(1, 0.0), logged(0, 1.0)], 0, 2) == 0
+    assert config.level([*climbed, logged(1, 0.0), logged(1, 0.0), logged(0, 1.0), logged(0, 1.0)], 0, 2) == 1
     player = EpisodePlayer(tokenizer, EchoEnv, max_turns=3, max_observation_chars=100)
     policy = scripted(tokenizer, half_solved())  # in band: no step is all-success, so no climb within one
     rollouts = RolloutFunction(
@@ -258,8 +270,8 @@ class LevelTwoEcho(EchoEnv):
         return type(task)(seed, f"Level two. {task.prompt}", task.kind, task.metadata)
 
 
-def test_a_mastered_level_is_played_again_a_level_up_within_the_step(tokenizer):
-    """TRACE's band allows at most 20% all-success groups. A step whose group all succeeded
+def test_a_mastered_level_is_played_again_a_level_up_within_the_first_step(tokenizer):
+    """TRACE's band allows at most 20% all-success groups. A first step whose group all succeeded
     is played again a level up, and again, until it is in band or at the top: the first
     step finds where the warm-started expert is in band, and no step is spent flat below
     the top. The replays are rollouts spent, and the level reached is logged (resumes agree)."""
@@ -300,6 +312,24 @@ def test_a_mastered_level_is_played_again_a_level_up_within_the_step(tokenizer):
     stats = {}
     rollouts.env_reward([""] * 2, out["env_reward"], log_metric=stats.__setitem__)
     assert stats["curriculum/level"] == 2 and stats["curriculum/climbed_groups"] == 2
+    # Only the first step climbs within itself: later, one all-success group of a step is too
+    # little to climb on, and the window decides (the headline's write_completion climbed so
+    # at its third step, on one group, and then succeeded in none of 18 steps).
+    rollouts = RolloutFunction(
+        config,
+        player,
+        [1, 2, 3],
+        None,
+        lambda t: nullcontext(scripted(tokenizer, echo_policy)),
+        levels=ladder,
+    )
+    later = [{"curriculum/level": 0, "episodes/success": 0.5}]
+    out = rollouts(
+        [json.dumps({"seed": 2})] * 2,
+        SimpleNamespace(state=SimpleNamespace(global_step=1, log_history=later)),
+    )
+    rollouts.env_reward([""] * 2, out["env_reward"], log_metric=stats.__setitem__)
+    assert stats["curriculum/level"] == 0 and stats["curriculum/climbed_groups"] == 0
 
 
 def test_resampling_stays_within_the_spend_limit(tokenizer):

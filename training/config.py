@@ -7,6 +7,7 @@ so it must load without the ML stack; TRL's and PEFT's objects are built from it
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,14 +50,19 @@ class ExpertTrainingConfig:
     # rollouts spent, not offered (None: no limit but ``rollout_budget``'s steps).
     spend_limit: int | None = None
     # RLVE's adaptive difficulty: GRPO moves to its environment's next level once the mean
-    # success of its last ``level_window`` steps at a level reaches ``level_up_success``,
-    # before the groups go flat (an environment without levels has one).
+    # success of its last ``level_window`` steps in a row at a level reaches
+    # ``level_up_success``, before the groups go flat (an environment without levels has
+    # one); and back down one once such a window stays under ``level_down_success``, TRACE's
+    # band's floor: below it few groups hold both a success and a failure, and the steps
+    # teach by partial credit alone (the headline's experts climbed once and then logged
+    # success 0.00 for 18 and 20 steps).
     level_up_success: float = 0.9
+    level_down_success: float = 0.2
     level_window: int = 2
-    # TRACE's band allows at most this share of a step's groups to be all-success: in a step
-    # with more, those groups are played again a level up (and again, up to the top level),
-    # so the first step finds the level where the warm-started expert is in band, and a
-    # mastered level costs one step's plays, not ``level_window`` flat steps.
+    # TRACE's band allows at most this share of a step's groups to be all-success: in the
+    # first step, those groups are played again a level up (and again, up to the top), so
+    # it finds the level where the warm-started expert is in band. Later steps move by the
+    # window alone: one all-success group of four is too little to climb on.
     max_all_success_groups: float = 0.2
     checkpoint_every: int = 10  # steps between checkpoints a re-run resumes from
     # Rollout counts (each a whole number of steps) at which the adapter is also kept, in
@@ -180,18 +186,24 @@ class ExpertTrainingConfig:
         return None
 
     def level(self, history: Sequence[dict[str, Any]], start: int, top: int) -> int:
-        """The level GRPO plays next after the steps logged in ``history``: ``start`` first,
-        one up once the last ``level_window`` steps at the current level averaged
-        ``level_up_success``, never above ``top``. A pure function of the logs, which a
+        """The level GRPO plays next after the steps logged in ``history``: ``start`` first;
+        one up once the last ``level_window`` steps, all at the current level, averaged
+        ``level_up_success`` (never above ``top``); one down once they averaged under
+        ``level_down_success`` (never below 0). A pure function of the logs, which a
         checkpoint keeps, so a resumed run plays where the killed one would have."""
         steps = [entry for entry in history if "curriculum/level" in entry]
         if not steps:
             return start
         current = int(steps[-1]["curriculum/level"])
-        window = [e for e in steps if e["curriculum/level"] == current][-self.level_window :]
+        window = list(itertools.takewhile(lambda e: e["curriculum/level"] == current, reversed(steps)))
+        window = window[: self.level_window]
+        if len(window) < self.level_window:
+            return current
         success = sum(e["episodes/success"] for e in window) / len(window)
-        if len(window) == self.level_window and success >= self.level_up_success:
+        if success >= self.level_up_success:
             return min(current + 1, top)
+        if success < self.level_down_success:
+            return max(current - 1, 0)
         return current
 
     def to_dict(self) -> dict[str, Any]:

@@ -133,7 +133,10 @@ class RolloutFunction:
             groups = self._play_groups(group_seeds, rng, generate)
             room = self._replay_room(trainer.state.log_history, len(groups))
             climbed = 0
-            while level is not None and level < len(self.levels) - 1 and room and self._mastered(groups):
+            # The first step finds the level; later steps move by the window (``config.level``).
+            finding = not any("curriculum/level" in entry for entry in trainer.state.log_history)
+            top = len(self.levels) - 1
+            while finding and level is not None and level < top and room and self._mastered(groups):
                 level += 1
                 self.player.env_factory = self.levels[level]
                 retry = [i for i, g in enumerate(groups) if _all_succeeded(g)][:room]

@@ -115,7 +115,7 @@ class SpecEnv:
         schemas = {t.name: t.schema_ for t in self.spec.tools}
         tools = [schemas[name] for name in template.tools] or None
         prompt = _fill(template.prompt, values)
-        if self.spec.difficulty.name_tools and reference:
+        if reference and _named(seed, self.spec.difficulty.name_tools):
             prompt += f" Use {' and '.join(dict.fromkeys(r['name'] for r in reference))}."
         self.task = Task(seed, prompt, template.kind, metadata, tools)
         return self.task
@@ -350,6 +350,12 @@ def reference_play(spec: EnvSpec, seed: int) -> tuple[str, str] | None:
         return None
     calls = [f"{r['name']}({json.dumps(r['arguments'], sort_keys=True)})" for r in task.metadata["reference"]]
     return task.prompt, ", ".join(calls) or "a reply, with no tool call"
+
+
+def _named(seed: int, share: float) -> bool:
+    """Whether the ticket of ``seed`` names its tools, at a ``share`` of tickets named: a
+    draw of its own, so the ticket's other values are the same at every share."""
+    return share >= 1.0 or (share > 0.0 and random.Random(f"name_tools/{seed}").random() < share)
 
 
 def _fill(value: Any, values: dict[str, Any]) -> Any:

@@ -217,9 +217,9 @@ async def calibrate(
 
 def levels(spec: EnvSpec) -> tuple[list[EnvSpec], int]:
     """The environment's difficulty levels, easiest first, and the index of ``spec`` among
-    them: the easing ladder's steps below it, then the harder steps above it (no tool named
-    in the request, more distractor rows). Easing keeps the calls that are the capability,
-    so every level exercises it."""
+    them: the easing ladder's steps below it, then the harder steps above it (the tools
+    named in half the requests, then in none; more distractor rows). Easing keeps the
+    calls that are the capability, so every level exercises it."""
     easier: list[EnvSpec] = []
     harder: list[EnvSpec] = []
     step: EnvSpec | None = spec
@@ -240,8 +240,9 @@ def adjust(spec: EnvSpec, mean: float, band: Band = DEFAULT_BAND) -> EnvSpec | N
     doing nothing or random calls pass (``check_policies``) is skipped."""
     difficulty = spec.difficulty
     if mean > band.high:
-        if difficulty.name_tools:
-            return spec.model_copy(update={"difficulty": difficulty.model_copy(update={"name_tools": False})})
+        if difficulty.name_tools:  # all tickets named, then half, then none: no cliff between
+            fewer = 0.5 if difficulty.name_tools > 0.5 else 0.0
+            return spec.model_copy(update={"difficulty": difficulty.model_copy(update={"name_tools": fewer})})
         if difficulty.distractor_rows >= 12:
             return None
         harder = difficulty.model_copy(update={"distractor_rows": difficulty.distractor_rows + 4})
@@ -254,8 +255,8 @@ def _easier(spec: EnvSpec) -> Iterator[EnvSpec]:
     difficulty = spec.difficulty
     if difficulty.distractor_rows:
         yield spec.model_copy(update={"difficulty": difficulty.model_copy(update={"distractor_rows": 0})})
-    if not difficulty.name_tools:  # a model that calls nothing may call what it is told to
-        yield spec.model_copy(update={"difficulty": difficulty.model_copy(update={"name_tools": True})})
+    if difficulty.name_tools < 1.0:  # a model that calls nothing may call what it is told to
+        yield spec.model_copy(update={"difficulty": difficulty.model_copy(update={"name_tools": 1.0})})
     kind = KINDS.get(spec.capability)
     multi_step = any(len(t.reference) > 1 for t in spec.tasks)
     if kind is not None and kind.single_step_keeps_it and not difficulty.single_step and multi_step:

@@ -164,7 +164,10 @@ class Check(_Model):
 
 class Difficulty(_Model):
     distractor_rows: int = Field(0, ge=0, le=MAX_ROWS)  # extra rows per table, none of them the answer
-    name_tools: bool = False  # the request names the tools its reference calls (a hint in the request)
+    # The share of tickets whose request names the tools its reference calls (a hint in the
+    # request; which tickets, the seed decides). A share between none and all is a level
+    # between them, not a cliff (specs before it said true or false: all or none).
+    name_tools: float = Field(0.0, ge=0.0, le=1.0)
     # Only the reference's last call is asked for (the lookups before it are left out); for
     # kinds whose tickets already state every value that call needs.
     single_step: bool = False
