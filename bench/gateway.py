@@ -42,6 +42,10 @@ Side by side in one run, on the embedded SmolLM2-135M (CPU):
   tokens compared, and a new adapter version's first response served by vLLM. ``--quick``
   leaves this out unless ``--vllm`` is given (CI's real-vLLM tests start their own server).
 
+``--quick`` (CI's run) measures every figure in fewer rounds, the backend's comparisons
+in one round each and continuous batching on replies of 4 to 32 tokens; each part logs
+its wall time.
+
 Usage: python bench/gateway.py [--quick] [--vllm]
 """
 
@@ -56,6 +60,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -453,6 +458,7 @@ def continuous_batching_seconds(backend: EmbeddedBackend, rounds: int, longest: 
     backend.prefix_cache = cache
     return {
         **{how: t / rounds for how, t in times.items()},
+        "longest": longest,
         "agreed": sum(map(common_length, tokens["static"], tokens["continuous"])),
         "total": sum(lengths),
     }
@@ -516,6 +522,14 @@ def per_request_tools(backend: EmbeddedBackend, rounds: int, max_tokens: int) ->
                 total += sum(len(ids) for ids in backend.tokenizer(batch, add_special_tokens=False).input_ids)
     backend.prefix_cache = cache
     return {**{how: t / rounds for how, t in times.items()}, "reused_frac": reused / total}
+
+
+@contextlib.contextmanager
+def part(name: str) -> Iterator[None]:
+    """A step log line per part of the run, with its wall time: the quick run takes minutes."""
+    start = time.perf_counter()
+    yield
+    Console(stderr=True).log(f"{name}: {time.perf_counter() - start:.1f} s")
 
 
 @contextlib.contextmanager
@@ -626,20 +640,29 @@ def measure(quick: bool, *, vllm: bool) -> Measured:
     """The backend's own figures, then the gateway's in front of it (and of vLLM)."""
     rounds, max_tokens, route_requests, per_client = (1, 24, 10, 3) if quick else (4, 64, 40, 8)
     stop_rounds = 10 if quick else 40
+    # The backend's own comparisons, each a batch of long agent prompts per round: a quick
+    # run (CI's) plays one round of each and shorter replies, a smoke run of every path.
+    backend_rounds, longest = (1, 32) if quick else (rounds + 1, 96)
     backend = EmbeddedBackend()
-    uncached_s, cached_s = prefix_cache_speedup(backend, rounds + 1, max_tokens)
-    tools_s = per_request_tools(backend, rounds + 1, max_tokens)
-    attention_s = decode_attention_seconds(backend, rounds + 1, max_tokens)
-    continuous_s = continuous_batching_seconds(backend, rounds, 96)
+    with part("prefix cache"):
+        uncached_s, cached_s = prefix_cache_speedup(backend, backend_rounds, max_tokens)
+    with part("per-request tools"):
+        tools_s = per_request_tools(backend, backend_rounds, max_tokens)
+    with part("decode attention"):
+        attention_s = decode_attention_seconds(backend, backend_rounds, max_tokens)
+    with part("continuous batching"):
+        continuous_s = continuous_batching_seconds(backend, rounds, longest)
     native = backend.dtype == torch.bfloat16
-    precision = precision_tokens_per_s(backend, rounds, max_tokens) if native else None
+    with part("precision"):
+        precision = precision_tokens_per_s(backend, rounds, max_tokens) if native else None
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         # Mild adapters: at the default scale bf16 rounding alone flips greedy tokens.
         probes = [
             random_adapter(backend.model_dir, root / f"probe{i}", seed=4 + i, scale=4.0) for i in range(3)
         ]
-        batch_s = adapter_batch_seconds(backend, probes, rounds + 1, max_tokens)
+        with part("adapter batches"):
+            batch_s = adapter_batch_seconds(backend, probes, backend_rounds, max_tokens)
         for name, seed in (("refunds/1", 1), ("refunds/2", 2), ("refunds/3", 3), ("returns/1", 5)):
             random_adapter(backend.model_dir, root / name, seed=seed)
         recorder = Recorder(f"sqlite:///{root / 'bench.db'}")
@@ -650,21 +673,33 @@ def measure(quick: bool, *, vllm: bool) -> Measured:
             recorder=recorder,
         )
         with start_in_thread(app) as server:
-            gateway_tokens_per_s(server.url, backend.model_id, 1, 4)  # warm up both paths
-            direct_tokens_per_s(backend, 1, 4)
-            via_gateway, direct = [], []
-            for _ in range(rounds):  # alternate to share the machine's drift
-                direct.append(direct_tokens_per_s(backend, 1, max_tokens)[0])
-                via_gateway.append(gateway_tokens_per_s(server.url, backend.model_id, 1, max_tokens)[0])
-            load_s = first_response_after_load(server.url, "refunds@1", "refunds/1")
-            route_frac = routing_overhead(app, server.url, route_requests)
-            first_response_after_load(server.url, "returns@1", "returns/1")
-            mixture_ratio = mixture_cost(server.url, "refunds", "refunds:0.5,returns:0.5", rounds, max_tokens)
-            failed, served = swap_under_load(server.url, "refunds@2", "refunds/2", 8, per_client)
-            no_stops_s, stops_s = stop_list_stall(server.url, backend.model_id, stop_rounds)
-            ttft_s, streamed_s = time_to_first_token(server.url, "base", rounds)
-            classifier_frac = classifier_routing(app, backend, server.url, route_requests // 2, max_tokens)
-            on_vllm = vllm_figures(backend, server.url, root, rounds, max_tokens) if vllm else None
+            with part("gateway against direct"):
+                gateway_tokens_per_s(server.url, backend.model_id, 1, 4)  # warm up both paths
+                direct_tokens_per_s(backend, 1, 4)
+                via_gateway, direct = [], []
+                for _ in range(rounds):  # alternate to share the machine's drift
+                    direct.append(direct_tokens_per_s(backend, 1, max_tokens)[0])
+                    via_gateway.append(gateway_tokens_per_s(server.url, backend.model_id, 1, max_tokens)[0])
+            with part("loading and routing"):
+                load_s = first_response_after_load(server.url, "refunds@1", "refunds/1")
+                route_frac = routing_overhead(app, server.url, route_requests)
+                first_response_after_load(server.url, "returns@1", "returns/1")
+            with part("mixture"):
+                mixture_ratio = mixture_cost(
+                    server.url, "refunds", "refunds:0.5,returns:0.5", rounds, max_tokens
+                )
+            with part("hot-swap under load"):
+                failed, served = swap_under_load(server.url, "refunds@2", "refunds/2", 8, per_client)
+            with part("stop lists"):
+                no_stops_s, stops_s = stop_list_stall(server.url, backend.model_id, stop_rounds)
+            with part("time to first token"):
+                ttft_s, streamed_s = time_to_first_token(server.url, "base", rounds)
+            with part("retrieval classifier"):
+                classifier_frac = classifier_routing(
+                    app, backend, server.url, route_requests // 2, max_tokens
+                )
+            with part("vLLM"):
+                on_vllm = vllm_figures(backend, server.url, root, rounds, max_tokens) if vllm else None
         recorder.close()
     return Measured(
         sum(direct) / rounds, sum(via_gateway) / rounds, load_s, route_frac, classifier_frac,
@@ -731,7 +766,8 @@ def table(m: Measured) -> Table:
         "",
     )
     shown.add_row(
-        "16 agent prompts, replies of 12-96 tokens, static batches of 8",
+        f"16 agent prompts, replies of {m.continuous_s['longest'] // 8}-{m.continuous_s['longest']} tokens,"
+        " static batches of 8",
         f"{m.continuous_s['static']:.2f} s",
         "",
     )

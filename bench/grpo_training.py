@@ -281,13 +281,18 @@ def child(which: str, steps: int, vllm_url: str | None) -> dict:
 
 
 def spawn(which: str, steps: int, vllm_url: str | None = None) -> dict:
-    """``child(which, steps)`` in a process of its own: peak RSS and caches stay per configuration."""
+    """``child(which, steps)`` in a process of its own: peak RSS and caches stay per
+    configuration. Logs its wall time: a step log, the whole run takes minutes."""
+    from rich.console import Console
+
+    start = time.perf_counter()
     out = subprocess.run(
         [sys.executable, __file__, "--child", which, "--steps", str(steps), "--vllm-url", vllm_url or ""],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
+    Console(stderr=True).log(f"{which}, {steps} steps: {time.perf_counter() - start:.1f} s")
     return json.loads(out.strip().splitlines()[-1])
 
 

@@ -753,6 +753,7 @@ class _ProgressBar(StepProgress):
             f"step {state.global_step}/{state.max_steps}  reward {reward:.3f}"
             + (f"  unhinted {unhinted:.3f}" if unhinted is not None else "")
             + f"  success {logs.get('episodes/success', 0.0):.2f}"
+            + (f"  level {logs['curriculum/level']:.0f}" if "curriculum/level" in logs else "")
             + f"  zero-signal groups {logs.get('dynamic_sampling/zero_signal_groups', 0):.0f}"
             + f" (resampled {logs.get('dynamic_sampling/resampled_groups', 0):.0f},"
             + f" demonstrated {logs.get('dynamic_sampling/demonstrations', 0):.0f},"
