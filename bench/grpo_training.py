@@ -352,7 +352,7 @@ def main() -> None:
     played = spawn("generation", steps // 2)
     # Full runs only (about six minutes each here): the allocator's pair, one after the other.
     memory = None if args.quick else {a: spawn(f"expert_memory@{a}", 2) for a in ("kept", "returned")}
-    learning_steps, learning_seeds = (2, (0,)) if args.quick else (16, LEARNING_SEEDS)
+    learning_steps, learning_seeds = (1, (0,)) if args.quick else (16, LEARNING_SEEDS)  # quick: a smoke run
     runs = {
         p: [spawn(f"learning_{p}@{seed}", learning_steps)["reward_curve"] for seed in learning_seeds]
         for p in ("float32", "bfloat16")
