@@ -41,7 +41,8 @@ class EchoEnv:
 
     def reward(self, answer: str = "") -> RewardBreakdown:
         echoed = any(c.arguments.get("text") == str(self.seed) for c in self.calls)
-        return RewardBreakdown(float(echoed and str(self.seed) in answer))
+        said = str(self.seed) in answer
+        return RewardBreakdown(float(echoed and said), {"echoed": float(echoed), "said": float(said)})
 
 
 class ScoredEchoEnv(EchoEnv):

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from envs import EchoEnv, ScoredEchoEnv
+from rich.console import Console
 from transformers import AutoTokenizer, TrainerCallback
 
 from trace_plugin.adapter_files import WEIGHTS, file_sha256
@@ -21,6 +22,7 @@ from trace_plugin.environments.base import RewardBreakdown, Task
 from trace_plugin.environments.retail import TRAIN_SEEDS, RetailEnv
 from trace_plugin.generation import TemperatureSampler, folded, shared_prefix_length
 from trace_plugin.model_files import prepare_tokenizer, resolve_model
+from training import experts
 from training.config import ExpertTrainingConfig
 from training.episodes import EpisodePlayer, hf_generate
 from training.experts import (
@@ -201,6 +203,27 @@ def test_rollouts_resample_flat_groups_then_drop_them(tokenizer):
     assert logged["rollouts/offered"] == 4 and logged["rollouts/spent"] == 6
     assert logged["dynamic_sampling/informative_groups"] == 0.5
     assert logged["dynamic_sampling/unhinted_informative_groups"] == 0.0  # only the hint made seed 2's signal
+
+
+def test_each_checks_mean_is_logged_so_a_step_says_which_holds_success_down(tokenizer):
+    """The quick demo's expert scored 0.75 un-hinted at every step and succeeded in none;
+    nothing said which check it missed. Each check's mean over the policy's rollouts is
+    logged, and the step line names the weakest."""
+    config = ExpertTrainingConfig(num_generations=2, groups_per_step=1, rollout_budget=8, resample_rounds=0)
+    player = EpisodePlayer(tokenizer, EchoEnv, max_turns=3, max_observation_chars=100)
+    mute = scripted(tokenizer, lambda text: "Done." if "<tool_response>" in text else echo_policy(text))
+    rollouts = RolloutFunction(config, player, [1, 2, 3], None, lambda trainer: nullcontext(mute))
+    step = SimpleNamespace(state=SimpleNamespace(global_step=0, log_history=[], max_steps=4))
+    out = rollouts([json.dumps({"seed": 2})] * 2, step)
+    logged: dict[str, float] = {}
+    rollouts.env_reward([""] * 2, out["env_reward"], log_metric=logged.__setitem__)
+    assert (
+        logged["checks/echoed"] == 1.0 and logged["checks/said"] == 0.0 and logged["episodes/success"] == 0.0
+    )
+    console = Console(record=True, width=400)
+    bar = experts._ProgressBar(console)
+    bar.on_log(None, SimpleNamespace(global_step=1, max_steps=4), None, logs={"reward": 0.0, **logged})
+    assert "weakest check said 0.00" in console.export_text()
 
 
 class LevelOneEcho(EchoEnv):

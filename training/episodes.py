@@ -57,6 +57,7 @@ class Rollout:
     env_mask: list[int] = field(default_factory=list)  # 1: model token, 0: tool-result token
     answer: str = ""
     reward: float = 0.0
+    checks: dict[str, float] = field(default_factory=dict)  # the reward's named checks, each 0-1
     hinted: bool = False
     turns: int = 0
     # A reference play (``EpisodePlayer.reference``), not a sample of the policy: it never
@@ -128,7 +129,8 @@ class EpisodePlayer:
                 still.append(i)
             active = still
         for rollout, env in zip(rollouts, envs, strict=True):
-            rollout.reward = float(env.reward(rollout.answer).total)
+            verdict = env.reward(rollout.answer)
+            rollout.reward, rollout.checks = float(verdict.total), dict(verdict.components)
         return rollouts
 
     def reference(self, seed: int) -> Rollout | None:

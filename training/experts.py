@@ -192,6 +192,8 @@ class RolloutFunction:
             "dynamic_sampling/demonstrations": demonstrated,
             "dynamic_sampling/dropped_groups": len(flat),
             "timing/rollout_seconds": time.monotonic() - start,
+            # Each check's mean over the policy's rollouts: which one holds success down.
+            **{f"checks/{label}": mean for label, mean in _check_means(sampled).items()},
         }
         if level is not None:
             self._stats["curriculum/level"] = level
@@ -269,6 +271,12 @@ class RolloutFunction:
         if key not in self._tasks:
             self._tasks[key] = self.player.env_factory().reset(seed)
         return self._tasks[key]
+
+
+def _check_means(rollouts: Sequence[Rollout]) -> dict[str, float]:
+    """Each named check's mean score over ``rollouts`` (a rollout without it counts as none)."""
+    labels = dict.fromkeys(label for r in rollouts for label in r.checks)
+    return {label: sum(r.checks.get(label, 0.0) for r in rollouts) / len(rollouts) for label in labels}
 
 
 def _flat(group: list[Rollout]) -> bool:
@@ -747,6 +755,8 @@ class _ProgressBar(StepProgress):
             return
         reward = logs.get("episodes/reward", logs["reward"])  # sampled rollouts only, demonstrations apart
         unhinted = logs.get("episodes/unhinted_reward")
+        checks = {k.removeprefix("checks/"): v for k, v in logs.items() if k.startswith("checks/")}
+        weakest = min(checks, key=checks.__getitem__) if checks else None
         self.step(
             state,
             reward,
@@ -754,6 +764,7 @@ class _ProgressBar(StepProgress):
             + (f"  unhinted {unhinted:.3f}" if unhinted is not None else "")
             + f"  success {logs.get('episodes/success', 0.0):.2f}"
             + (f"  level {logs['curriculum/level']:.0f}" if "curriculum/level" in logs else "")
+            + (f"  weakest check {weakest} {checks[weakest]:.2f}" if weakest else "")
             + f"  zero-signal groups {logs.get('dynamic_sampling/zero_signal_groups', 0):.0f}"
             + f" (resampled {logs.get('dynamic_sampling/resampled_groups', 0):.0f},"
             + f" demonstrated {logs.get('dynamic_sampling/demonstrations', 0):.0f},"
