@@ -425,31 +425,32 @@ def continuous_batching_seconds(backend: EmbeddedBackend, rounds: int, longest: 
     eos = backend.tokenizer.convert_tokens_to_ids("<|im_end|>")
     greedy = dict(do_sample=False, temperature=None, top_p=None, top_k=None, eos_token_id=eos)
 
-    def static(lengths: list[int]) -> list[list[int]]:
-        replies = []
-        for first in range(0, len(rows), backend.max_batch):
+    def static(lengths: list[int]) -> list[list[int]]:  # the first len(lengths) rows
+        replies, chosen = [], rows[: len(lengths)]
+        for first in range(0, len(chosen), backend.max_batch):
             group = slice(first, first + backend.max_batch)
             new = max(lengths[group])
             with torch.inference_mode():
                 out, width, _ = generate_batch(
-                    backend.model, rows[group], backend.tokenizer.pad_token_id,
+                    backend.model, chosen[group], backend.tokenizer.pad_token_id,
                     max_new_tokens=new, min_new_tokens=new, **greedy,
                 )  # fmt: skip
             replies += [seq[width : width + n].tolist() for seq, n in zip(out, lengths[group], strict=True)]
         return replies
 
-    def continuous(lengths: list[int]) -> list[list[int]]:
+    def continuous(lengths: list[int]) -> list[list[int]]:  # the first len(lengths) prompts
         async def run() -> list[list[Any]]:
             asks = [SamplingParams(max_tokens=n, min_tokens=n) for n in lengths]
+            chosen = prompts[: len(asks)]
             return await asyncio.gather(
-                *(backend.generate(p, a, None) for p, a in zip(prompts, asks, strict=True))
+                *(backend.generate(p, a, None) for p, a in zip(chosen, asks, strict=True))
             )
 
         return [reply[0].token_ids for reply in asyncio.run(run())]
 
     cache, backend.prefix_cache = backend.prefix_cache, None
     times, tokens = {"static": 0.0, "continuous": 0.0}, {}
-    static([1] * len(rows)), continuous([1] * len(rows))  # warm-up: one token each
+    static([1]), continuous([1])  # warm-up: one row, one token
     for _ in range(rounds):
         for how, run in (("static", static), ("continuous", continuous)):
             start = time.perf_counter()
