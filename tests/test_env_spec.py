@@ -97,6 +97,19 @@ def test_observed_values_replace_the_defaults():
     assert SpecEnv(spec).reset(1).prompt.count("#W") in (0, 1)
 
 
+def test_a_qualified_id_parameter_is_an_id_of_its_noun():
+    """``new_item_ids`` names item ids: exchange tickets once asked for "new item ids new
+    item ids 5", a value generated for a free-text parameter of that name."""
+    observed = Observations.from_calls([({"item_id": "460452"}, {"item_id": "460452"})])
+    spec = synthesize("tool_call_format", TOOLS, system_prompt=POLICY, observations=observed)
+    exchange = next(t for t in spec.tasks if t.kind.startswith("exchange"))
+    assert exchange.params["new_item_ids"].kind == "id"
+    assert exchange.params["new_item_ids"].pattern == exchange.params["item_ids"].pattern == "{d6}"
+    prompts = [SpecEnv(spec).reset(seed) for seed in range(32)]
+    asked = [t.prompt for t in prompts if t.kind.startswith("exchange")]
+    assert asked and not any("new item ids new" in prompt for prompt in asked)
+
+
 def test_synthesis_is_generic_over_tool_schemas():
     def tool(name, *params):
         properties = {p: {"type": "string"} for p in params}

@@ -43,7 +43,8 @@ from trace_plugin.records.env_spec import (
 from trace_plugin.store import Store
 
 STATUSES = ["pending", "active", "closed"]  # used when no status values were observed
-_ID_PARAM = re.compile(r"^(?P<noun>[a-z][a-z0-9]*?)_ids?$")
+# ``order_id``, ``item_ids``, and qualified ones: ``new_item_ids`` names item ids too.
+_ID_PARAM = re.compile(r"^(?:[a-z0-9_]*_)?(?P<noun>[a-z][a-z0-9]*?)_ids?$")
 _POOLS: dict[str, list[str]] = {
     "first_name": ["Ava", "Liam", "Mia", "Noah", "Zoe", "Omar", "Ines", "Kenji"],
     "last_name": ["Lopez", "Kim", "Novak", "Okafor", "Silva", "Chen", "Weber", "Rossi"],
