@@ -501,14 +501,21 @@ def test_write_preconditions_come_from_the_targets_own_refusals(db_url, monkeypa
             name: ["find_user"]
             for name in ("cancel_order", "modify_address", "return_items", "exchange_items")
         }
-        env = SpecEnv(spec)
-        for seed in range(6):
+        env, ways = SpecEnv(spec), set()
+        for seed in range(16):
             task = env.reset(seed)
             assert task.metadata["satisfiable"], task.metadata["reference_errors"]
             reference = task.metadata["reference"]
             assert reference[0]["name"] == "find_user"
-            email = reference[0]["arguments"]["email"]
-            assert f"My email is {email}." in task.prompt
+            # Users identify themselves either way, as the search allows: an expert that only
+            # ever saw emails skipped find_user on the target's tickets that gave a name.
+            found = reference[0]["arguments"]
+            ways.add(tuple(found))
+            if "email" in found:
+                assert f"My email is {found['email']}." in task.prompt
+            else:
+                assert f"My first name is {found['first_name']}, last name is {found['last_name']}" in task.prompt
+                assert f"and zip is {found['zip']}." in task.prompt
             write = reference[-1]
             assert json.loads(env.step(ToolCall(write["name"], write["arguments"]))) == {
                 "error": "identify the user before changing an order"
@@ -516,6 +523,7 @@ def test_write_preconditions_come_from_the_targets_own_refusals(db_url, monkeypa
             for action in reference:
                 assert "error" not in json.loads(env.step(ToolCall(action["name"], action["arguments"])))
             assert env.reward("done").total == 1.0
+        assert ways == {("email",), ("first_name", "last_name", "zip")}, agent
     # One refusal is no rule, and a competent agent's traffic shows no refusal at all.
     competent = planted.corpus(list(TRAIN_SEEDS)[:24], ("competent",))
     trajectories = [Trajectory.from_episode(e) for e in competent]

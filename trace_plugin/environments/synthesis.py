@@ -564,47 +564,66 @@ def _writes(interface: Interface, *, allowed: bool) -> tuple[list[TaskTemplate],
         verb = name_words(writer.name)[0]
         read = Action(tool=lookup.name, arguments={lookup.key: f"{{x.{table.key}}}"})
         write = Action(tool=writer.name, arguments=arguments)
-        before = _prerequisites(interface, writer) if allowed else ([], {}, "")
-        if before is None:
+        ways = _prerequisites(interface, writer) if allowed else [([], {}, "")]
+        if ways is None:
             continue  # a prerequisite the ticket cannot give the user's side of
-        first, slots, says = before
-        tasks.append(
-            TaskTemplate(
-                kind=f"{verb}_{noun}" if allowed else f"refuse_{verb}_{noun}",
-                slots={"x": {"table": noun, "where": {"status": state}}, **slots},
-                params=params,
-                prompt=f"Please {verb} my {noun} {{x.{table.key}}}" + (f" ({asks})." if asks else ".") + says,
-                reference=[*first, read, write] if allowed else [read],
-                facts=[] if allowed else ["{x.status}"],
-                forbidden=[] if allowed else [writer.name],
-                answer=f"Your {noun} {{x.{table.key}}} is {past_tense(verb)}."
-                if allowed
-                else f"I cannot {verb} {noun} {{x.{table.key}}}: it is {{x.status}}.",
+        for first, slots, says in ways:
+            tasks.append(
+                TaskTemplate(
+                    kind=f"{verb}_{noun}" if allowed else f"refuse_{verb}_{noun}",
+                    weight=1 / len(ways),
+                    slots={"x": {"table": noun, "where": {"status": state}}, **slots},
+                    params=params,
+                    prompt=f"Please {verb} my {noun} {{x.{table.key}}}" + (f" ({asks})." if asks else ".") + says,
+                    reference=[*first, read, write] if allowed else [read],
+                    facts=[] if allowed else ["{x.status}"],
+                    forbidden=[] if allowed else [writer.name],
+                    answer=f"Your {noun} {{x.{table.key}}} is {past_tense(verb)}."
+                    if allowed
+                    else f"I cannot {verb} {noun} {{x.{table.key}}}: it is {{x.status}}.",
+                )
             )
-        )
-        needed += [*(a.tool for a in first), lookup.name, writer.name]
-    return tasks, needed
+            needed += [*(a.tool for a in first), lookup.name, writer.name]
+    return tasks, list(dict.fromkeys(needed))
 
 
-def _prerequisites(
-    interface: Interface, writer: ToolSpec
-) -> tuple[list[Action], dict[str, dict[str, Any]], str] | None:
-    """The calls ``writer`` requires before it, the rows they need (slots ``p0``, ``p1``...)
-    and what the ticket says so that the agent can make them ("My email is ..."), as users
-    identify themselves; None where a required tool is neither a search nor a lookup."""
-    actions, slots, says = [], {}, ""
+Way = tuple[list[Action], dict[str, dict[str, Any]], str]  # calls, the rows they need, what the ticket says
+
+
+def _prerequisites(interface: Interface, writer: ToolSpec) -> list[Way] | None:
+    """The ways a ticket can give what ``writer`` requires before it: each the calls, the
+    rows they need (slots ``p0``, ``p1``...) and what the ticket says so that the agent can
+    make them ("My email is ..."), as users identify themselves; None where a required tool
+    is neither a search nor a lookup. A search by several fields is made either by its first
+    alone or by the others together ("first name, last name, zip"), as the target's users
+    identify themselves either way: an expert that only ever saw emails skipped the search
+    on every ticket that gave a name."""
+    ways: list[Way] = [([], {}, "")]
     for i, name in enumerate(writer.requires):
         tool, slot = interface.bindings[name], f"p{i}"
         if tool.behaviour == "list" and tool.table:
-            argument, column = next(iter(tool.filters.items()))
+            fields = list(tool.filters.items())
+            options = [fields[:1], fields[1:]] if len(fields) >= 3 else [fields[:1]]
         elif tool.behaviour == "lookup" and tool.table and tool.key:
-            argument, column = tool.key, interface.tables[tool.table].key
+            options = [[(tool.key, interface.tables[tool.table].key)]]
         else:
             return None
-        actions.append(Action(tool=name, arguments={argument: f"{{{slot}.{column}}}"}))
-        slots[slot] = {"table": tool.table}
-        says += f" My {column.replace('_', ' ')} is {{{slot}.{column}}}."
-    return actions, slots, says
+        ways = [
+            (
+                [*actions, Action(tool=name, arguments={a: f"{{{slot}.{c}}}" for a, c in option})],
+                {**slots, slot: {"table": tool.table}},
+                says + _identify(slot, [c for _, c in option]),
+            )
+            for actions, slots, says in ways
+            for option in options
+        ]
+    return ways
+
+
+def _identify(slot: str, columns: list[str]) -> str:
+    """What a ticket says so that the agent can search by ``columns`` of row ``slot``."""
+    told = [f"{c.replace('_', ' ')} is {{{slot}.{c}}}" for c in columns]
+    return f" My {', '.join(told[:-1])} and {told[-1]}." if len(told) > 1 else f" My {told[0]}."
 
 
 def _preconditions(interface: Interface) -> tuple[list[TaskTemplate], list[Check], list[str]]:
