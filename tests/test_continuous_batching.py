@@ -143,3 +143,21 @@ def test_close_returns_once_the_engine_thread_has_ended_and_a_later_request_star
     assert not engine.is_alive() and backend._engine is None
     [again] = asyncio.run(backend.generate(prompt(backend, QUESTIONS[1]), SamplingParams(max_tokens=2), None))
     assert again.token_ids  # a request after close starts a new engine
+
+
+def test_a_busy_engine_hands_freed_memory_back_every_trim_every_s(backend, monkeypatch):
+    """The engine's keys and values come and go in every size, and glibc keeps what they
+    freed: a busy engine trims the heap every ``trim_every_s``, and no more often."""
+    import trace_plugin.gateway.embedded as embedded
+
+    calls: list[bool] = []
+    monkeypatch.setattr(embedded, "trim", lambda *, collect=True: calls.append(collect))
+    params = SamplingParams(max_tokens=8, min_tokens=8)
+    prompts = [prompt(backend, q) for q in QUESTIONS[:2]]
+    monkeypatch.setattr(backend, "trim_every_s", 3600.0)
+    backend.generate_rows(prompts, [None, None], params)
+    assert calls == []
+    monkeypatch.setattr(backend, "trim_every_s", 0.0)
+    backend.generate_rows(prompts, [None, None], params)
+    assert len(calls) >= 7  # every turn of the loop: a step per token after the prompt run's
+    assert not any(calls)  # no garbage collection on the engine's turns

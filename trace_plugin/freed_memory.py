@@ -30,10 +30,12 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
-def trim() -> None:
+def trim(*, collect: bool = True) -> None:
     """Return the heap's free memory to the system, after a phase that freed much: its
-    reference cycles (a trainer and its callbacks) collected first."""
+    reference cycles (a trainer and its callbacks) collected first, unless ``collect`` is
+    off (a serving loop trims often and holds no such cycles)."""
     libc = _glibc()
     if libc is not None:
-        gc.collect()
+        if collect:
+            gc.collect()
         libc.malloc_trim(0)
