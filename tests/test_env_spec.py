@@ -514,7 +514,10 @@ def test_write_preconditions_come_from_the_targets_own_refusals(db_url, monkeypa
             if "email" in found:
                 assert f"My email is {found['email']}." in task.prompt
             else:
-                assert f"My first name is {found['first_name']}, last name is {found['last_name']}" in task.prompt
+                assert (
+                    f"My first name is {found['first_name']}, last name is {found['last_name']}"
+                    in task.prompt
+                )
                 assert f"and zip is {found['zip']}." in task.prompt
             write = reference[-1]
             assert json.loads(env.step(ToolCall(write["name"], write["arguments"]))) == {

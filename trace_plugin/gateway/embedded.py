@@ -132,7 +132,7 @@ class EmbeddedBackend:
         # values come and go in every size (slot caches, cache entries, prompt runs), and
         # glibc kept what they freed: the quick demo's gateway grew to 8.3 GB resident over
         # traffic and calibration while holding 2.9 GB of keys and values; trimmed every few
-        # seconds (at most 0.2 s each, most under 0.06 s) it stayed near 4 GB.
+        # seconds (at most 0.2 s each, most under 0.06 s) it served at 4.1 to 5.3 GB.
         self.trim_every_s = trim_every_s
         self.max_lora_rank = max_lora_rank
         self.model, self.tokenizer = load_model(self.model_dir, precision=precision)
