@@ -214,6 +214,29 @@ def test_no_training_task_is_one_a_report_or_the_gate_measures(sqlite_url, tmp_p
     store.close()
 
 
+def test_an_evaluated_task_is_kept_out_of_training_in_every_phrasing(sqlite_url, tmp_path):
+    """The warm start plays requests without the tools named, GRPO climbs to levels that
+    name them in half or none: the same held-out task asked another way was not excluded."""
+    from trace_plugin.environments.base import task_keys
+    from trace_plugin.environments.retail import POLICY, TOOLS
+    from trace_plugin.environments.synthesis import synthesize
+    from trace_plugin.environments.validation import phrasings, plainly_asked
+    from trace_plugin.improver.config import HELD_OUT_SEEDS
+    from trace_plugin.improver.stages import evaluated_task_keys
+
+    store = Store(sqlite_url)
+    store.upgrade()
+    plain = synthesize("write_completion", TOOLS, system_prompt=POLICY)
+    named = plain.model_copy(update={"difficulty": plain.difficulty.model_copy(update={"name_tools": 1.0})})
+    config = ImproverConfig("a", "http://x", tmp_path, eval_seeds=4)
+    keys = evaluated_task_keys(config, named, store)
+    held_out = HELD_OUT_SEEDS[:4]
+    asked_plainly = task_keys(lambda: SpecEnv(plainly_asked(named)), held_out)
+    assert asked_plainly <= keys and asked_plainly - task_keys(lambda: SpecEnv(named), held_out)
+    assert len(phrasings(named)) > 2
+    store.close()
+
+
 def test_jobs_and_deployments_are_stored_once_per_id(db_url):
     store = Store(db_url)
     store.upgrade()

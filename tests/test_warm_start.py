@@ -191,6 +191,43 @@ def test_grpo_samples_no_task_the_warm_start_trained_on_or_an_evaluation_plays(t
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_warm_start_plays_requests_asked_plainly_where_grpo_starts_at_named_tools(tmp_path, monkeypatch):
+    """The quick demo's expert, warm-started on tickets ending "Use find_user and
+    cancel_order", went to the target's tickets, which never name a tool, and skipped the
+    lookups: a reference play's calls are right however its request is asked."""
+    import training.experts
+    from training.executors import TrainingJob, job_trainer
+
+    spec = synthesize("write_completion", TOOLS, system_prompt=POLICY)
+    named = spec.model_copy(update={"difficulty": spec.difficulty.model_copy(update={"name_tools": 1.0})})
+    config = {"output_dir": str(tmp_path / "expert"), "warm_start_plays": 2}
+    trainer = job_trainer(TrainingJob(json.loads(named.to_json()), list(range(40)), config, progress=False))
+    warm_players = []
+
+    class Stop(Exception):
+        pass
+
+    def warm_start(config: Any, player: EpisodePlayer, *args: Any, **kwargs: Any) -> None:
+        warm_players.append(player)
+        raise Stop
+
+    monkeypatch.setattr(training.experts, "WarmStartTrainer", warm_start)
+    with pytest.raises(Stop):
+        trainer._build()
+    [player] = warm_players
+
+    def asked(factory: Any) -> list[str]:
+        return [factory().reset(seed).prompt for seed in range(40)]
+
+    assert not [p for p in asked(player.env_factory) if " Use " in p]
+    named_prompts = [p for p in asked(trainer.env_factory) if " Use " in p]
+    assert named_prompts and len(named_prompts) == sum(
+        bool(SpecEnv(named).reset(s).metadata["reference"]) for s in range(40)
+    )
+
+
+@pytest.mark.slow
 def test_sft_trains_the_replies_only_and_truncates_nothing(tokenizer, tmp_path):
     """TRL's own default ``max_length`` (1024) would cut every retail play's replies away."""
     from trace_plugin.model_files import load_model

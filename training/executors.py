@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from trace_plugin.environments.interpreter import SpecEnv, worked_example
-from trace_plugin.environments.validation import levels
+from trace_plugin.environments.validation import levels, plainly_asked
 from trace_plugin.export import Conversation
 from trace_plugin.records.env_spec import EnvSpec
 from training.config import ExpertTrainingConfig
@@ -33,10 +33,16 @@ class TrainingJob:
 
 
 def run_job(job: TrainingJob) -> ExpertResult:
+    return job_trainer(job).train()
+
+
+def job_trainer(job: TrainingJob) -> ExpertTrainer:
+    """The trainer ``job`` describes: GRPO climbs the spec's levels from its own, and the
+    warm start plays the spec's tasks asked plainly (``plainly_asked``)."""
     spec = EnvSpec.model_validate(job.spec)
     config = ExpertTrainingConfig(**job.config)
     ladder, start = levels(spec)
-    trainer = ExpertTrainer(
+    return ExpertTrainer(
         config,
         lambda: SpecEnv(spec),
         job.seeds,
@@ -47,9 +53,9 @@ def run_job(job: TrainingJob) -> ExpertResult:
         rehearsal=job.rehearsal,
         levels=[lambda level=level: SpecEnv(level) for level in ladder],
         start_level=start,
+        warm_start_env=lambda: SpecEnv(plainly_asked(spec)),
         progress=job.progress,
     )
-    return trainer.train()
 
 
 class Executor(Protocol):

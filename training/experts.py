@@ -489,6 +489,7 @@ class ExpertTrainer:
         rehearsal: Sequence[Conversation] = (),
         levels: Sequence[Callable[[], Environment]] = (),
         start_level: int = 0,
+        warm_start_env: Callable[[], Environment] | None = None,
         progress: bool = True,
         callbacks: Sequence[TrainerCallback] = (),
         console: Console | None = None,
@@ -496,6 +497,10 @@ class ExpertTrainer:
         if not seeds:
             raise ValueError("no training seeds")
         self.config, self.env_factory, self.seeds = config, env_factory, list(seeds)
+        # The tasks the warm start plays (None: env_factory's), phrased as the target's users
+        # write them where GRPO's first level names the tools: a play's calls are right
+        # whatever its request says, and an expert shown named tools waits for the names.
+        self.warm_start_env = warm_start_env or env_factory
         # GRPO's difficulty levels, easiest first, and the one it starts at (env_factory's):
         # it climbs them as it masters each (ExpertTrainingConfig.level).
         self.levels, self.start_level = list(levels), start_level
@@ -569,20 +574,24 @@ class ExpertTrainer:
 
         config = self.config
         model, tokenizer = load_model(self.model_dir, precision=config.precision)
-        player = EpisodePlayer(
-            tokenizer,
-            self.env_factory,
-            max_turns=config.max_turns,
-            max_observation_chars=config.max_observation_chars,
-            examples=self.examples,
-        )
+
+        def player_of(env_factory: Callable[[], Environment]) -> EpisodePlayer:
+            return EpisodePlayer(
+                tokenizer,
+                env_factory,
+                max_turns=config.max_turns,
+                max_observation_chars=config.max_observation_chars,
+                examples=self.examples,
+            )
+
+        player = player_of(self.env_factory)
         peft_config = config.lora_config()
         if config.warm_start_plays:
             from peft import PeftModel
 
             warm = WarmStartTrainer(
                 config,
-                player,
+                player_of(self.warm_start_env),
                 self.seeds,
                 self.work_dir,
                 exclude=self.exclude,

@@ -231,6 +231,20 @@ def levels(spec: EnvSpec) -> tuple[list[EnvSpec], int]:
     return [*reversed(easier), spec, *harder], len(easier)
 
 
+def plainly_asked(spec: EnvSpec) -> EnvSpec:
+    """``spec`` with requests that name no tool, as the target's users write them: the
+    tickets the warm start plays, whatever level GRPO starts at."""
+    return spec.model_copy(update={"difficulty": spec.difficulty.model_copy(update={"name_tools": 0.0})})
+
+
+def phrasings(spec: EnvSpec) -> list[EnvSpec]:
+    """Every form in which training may meet ``spec``'s tasks: its levels and the warm
+    start's plain requests. The same task asked another way is the same task, so an
+    evaluated seed is kept out of training in all of them."""
+    ladder, _ = levels(spec)
+    return [*ladder, plainly_asked(spec)]
+
+
 def adjust(spec: EnvSpec, mean: float, band: Band = DEFAULT_BAND) -> EnvSpec | None:
     """One step easier or harder, or None when no knob is left to turn.
 
