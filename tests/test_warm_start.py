@@ -358,8 +358,8 @@ class InterruptAfterCheckpoint(TrainerCallback):
 @pytest.mark.slow
 def test_a_killed_warm_start_resumes_and_grpo_continues_from_its_adapter(tmp_path):
     """Killed after its first checkpoint, the warm start resumes there; GRPO then trains the
-    warm-started adapter itself. Its groups here are all flat (8 tokens cannot finish a
-    call), so no gradient reaches it and the expert is the warm start exactly."""
+    warm-started adapter itself, with no hints. Its groups here are all flat (8 tokens
+    cannot finish a call), so no gradient reaches it and the expert is the warm start exactly."""
     from safetensors.torch import load_file
 
     from trace_plugin.adapter_files import WEIGHTS
@@ -377,6 +377,7 @@ def test_a_killed_warm_start_resumes_and_grpo_continues_from_its_adapter(tmp_pat
         warm_start_epochs=1,
         warm_start_batch_size=2,
         demonstrate=False,  # a demonstration would give the flat group a gradient
+        hint_fraction=1.0,
     )
     seeds = list(TRAIN_SEEDS)[:16]
     work = tmp_path / ".expert.partial"
@@ -386,11 +387,14 @@ def test_a_killed_warm_start_resumes_and_grpo_continues_from_its_adapter(tmp_pat
         ).train()
     assert [p.name for p in (work / "warm_start.partial").glob("checkpoint-*")] == ["checkpoint-1"]
 
-    expert = ExpertTrainer(config, RetailEnv, seeds, examples=EXAMPLES, progress=False).train()
+    hint = "Identify the user with find_user first."
+    expert = ExpertTrainer(config, RetailEnv, seeds, examples=EXAMPLES, hint=hint, progress=False).train()
     warm_start = json.loads((expert.adapter_dir / "warm_start" / "warm_start.json").read_text())
     assert warm_start["resumed_from_step"] == 1 and warm_start["plays"] == 4
     assert expert.reference_plays == 4 and len(expert.warm_start_losses) == 2
     assert expert.logs[0]["dynamic_sampling/dropped_groups"] == 1
+    # Taught whole plays, the expert plays GRPO's tickets without the hint's half-conversation.
+    assert expert.logs[0]["episodes/hinted_fraction"] == 0.0
     warm = load_file(expert.adapter_dir / "warm_start" / WEIGHTS)
     final = load_file(expert.adapter_dir / WEIGHTS)
     assert not is_noop(expert.adapter_dir) and warm.keys() == final.keys()

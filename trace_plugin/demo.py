@@ -49,10 +49,11 @@ from trace_plugin.store import Store, data_dir
 
 AGENT = "support-agent"
 EVAL_AGENT = f"eval:{AGENT}"
-# How the demo's improver trains its experts, on top of the cpu-small preset. Half the rollouts
-# see a worked example: the base model rarely calls a tool without one. The horizon is the
-# target's (retail's six turns) and a reply's length comes from each environment's reference
-# plays: the target's writes take four or five turns, and a preset of three cut them off.
+# How the demo's improver trains its experts, on top of the cpu-small preset. Where no warm
+# start ran, half the rollouts see a worked example: the base model rarely calls a tool
+# without one. The horizon is the target's (retail's six turns) and a reply's length comes
+# from each environment's reference plays: the target's writes take four or five turns, and
+# a preset of three cut them off.
 EXPERT_TRAINING: dict[str, Any] = {"hint_fraction": 0.5}
 
 

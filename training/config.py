@@ -39,7 +39,8 @@ class ExpertTrainingConfig:
     # Tool results are cut to this many characters: prompt tokens dominate CPU cost.
     max_observation_chars: int = 800
     temperature: float = 1.0
-    hint_fraction: float = 0.25  # share of rollouts generated with the hint (when a hint is given)
+    # Share of rollouts generated with the hint (when a hint is given and no warm start ran).
+    hint_fraction: float = 0.25
     resample_rounds: int = 1  # replays of zero-signal groups on fresh seeds, per step
     # GRPO stops once this many steps in a row had every group flat after resampling
     # (prime-rl drops such groups; a run of them means the environment no longer teaches
