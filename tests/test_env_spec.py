@@ -16,7 +16,7 @@ from trace_plugin.environments.synthesis import FAMILIES, Observations, observed
 from trace_plugin.environments.validation import Band, adjust, calibrate, check_policies
 from trace_plugin.mining.detectors import Trajectory
 from trace_plugin.mining.kinds import KINDS, FamilyName
-from trace_plugin.records.env_spec import WRITES, EnvSpec, SpecError, check_spec, parse_spec
+from trace_plugin.records.env_spec import WRITES, Column, EnvSpec, SpecError, Table, check_spec, parse_spec
 from trace_plugin.records.expert import Expert
 from trace_plugin.records.router_spec import CorpusEntry
 from trace_plugin.store import Store
@@ -513,12 +513,15 @@ def test_write_preconditions_come_from_the_targets_own_refusals(db_url, monkeypa
             ways.add(tuple(found))
             if "email" in found:
                 assert f"My email is {found['email']}." in task.prompt
-            else:
-                assert (
-                    f"My first name is {found['first_name']}, last name is {found['last_name']}"
-                    in task.prompt
-                )
-                assert f"and zip is {found['zip']}." in task.prompt
+            else:  # in the environment's words or, for some tickets, in the target's users'
+                assert any(
+                    said in task.prompt
+                    for said in (
+                        f"My first name is {found['first_name']}, last name is {found['last_name']} "
+                        f"and zip is {found['zip']}.",
+                        f"I'm {found['first_name']} {found['last_name']}, zip {found['zip']}.",
+                    )
+                ), task.prompt
             write = reference[-1]
             assert json.loads(env.step(ToolCall(write["name"], write["arguments"]))) == {
                 "error": "identify the user before changing an order"
@@ -610,3 +613,74 @@ def test_preconditions_are_learned_on_a_target_shape_that_is_not_retail():
         Trajectory("convert 3 km", [Call("convert_units", {"value": 3, "unit": "km"}, '{"result": 1.86}')])
     ]
     assert observed_preconditions(calls * 3, "Use the tools.") == {}
+
+
+def test_tickets_are_also_worded_as_the_targets_users_word_them(sqlite_url, monkeypatch):
+    """The quick demo's expert, taught "Please cancel my order #W… (reason …). My first
+    name is …, last name is … and zip is …", searched by name without the zip on the
+    target's "I'm Kenji Lopez, zip 78701" and never wrote. Tickets are now also worded as
+    captured requests were, every value they state drawn anew, and still solvable."""
+    from trace_plugin.environments import planted
+    from trace_plugin.environments.retail import TRAIN_SEEDS
+    from trace_plugin.environments.synthesis import CapturedInterface
+
+    def skips_identity(task, env):  # refused: the traffic then shows the search is required
+        calls, texts, answer = planted._competent(task, env)
+        return [c for c in calls if c["name"] != "find_user"], texts, answer
+
+    monkeypatch.setitem(planted.POLICIES, "skips_identity", skips_identity)
+    store = Store(sqlite_url)
+    store.upgrade()
+    episodes = planted.corpus(list(TRAIN_SEEDS)[:48], ("skips_identity", "competent"))
+    store.write([r for e in episodes for r in (e, *e.steps)])
+    captured = CapturedInterface.from_store(store, episodes[0].agent)
+    spec = synthesize("write_completion", TOOLS, system_prompt=POLICY, observations=captured.observations)
+    cancels = {t.prompt: t.weight for t in spec.tasks if t.kind == "cancel_order"}
+    users = (
+        "Please cancel my order {x.order_id}, reason: {reason}. "
+        "I'm {p0.first_name} {p0.last_name}, zip {p0.zip}."
+    )
+    assert (
+        users in cancels
+        and "Please ship order {x.order_id} to {address1}, {city} {zip} instead. My email is {p0.email}."
+        in {t.prompt for t in spec.tasks}
+    )
+    assert sum(cancels.values()) == pytest.approx(1.0) and len(spec.tasks) <= 16
+    # No wording of one write is given to another: an exchange is never worded as a return.
+    for template in spec.tasks:
+        verb = template.kind.split("_")[0]
+        assert verb in template.prompt.lower() or template.prompt.startswith("Please ship"), template.prompt
+    env, worded = SpecEnv(spec), 0
+    for seed in range(64):
+        task = env.reset(seed)
+        assert task.metadata["satisfiable"], task.metadata["reference_errors"]
+        if "I'm " not in task.prompt:
+            continue
+        worded += 1
+        found = task.metadata["reference"][0]["arguments"]
+        assert f"I'm {found['first_name']} {found['last_name']}, zip {found['zip']}." in task.prompt
+        for action in task.metadata["reference"]:
+            assert "error" not in json.loads(env.step(ToolCall(action["name"], action["arguments"])))
+        assert env.reward("done").total == 1.0
+    assert worded
+    store.close()
+
+
+def test_a_request_is_worded_with_the_longest_value_first():
+    from trace_plugin.environments.synthesis import ticket_phrasing, vocabulary
+
+    tables = [
+        Table(
+            key="user_id",
+            columns={
+                "user_id": Column(kind="id", pattern="U{d4}"),
+                "email": Column(kind="text", values=["ava.lopez@example.com"]),
+                "first_name": Column(kind="text", values=["Ava", "Kenji"]),
+            },
+        )
+    ]
+    words = vocabulary(tables)
+    assert (
+        ticket_phrasing("I'm Kenji {really}, user U1234, email kenji.rossi@example.com.", words)
+        == "I'm {first_name} (really), user {user_id}, email {email}."
+    )

@@ -30,6 +30,7 @@ from trace_plugin.environments.schema_requests import phrasing, requests
 from trace_plugin.mining.detectors import Trajectory, guess_role, name_words
 from trace_plugin.mining.kinds import KINDS, FamilyName
 from trace_plugin.records.env_spec import (
+    MAX_TEMPLATES,
     Action,
     Check,
     Column,
@@ -76,6 +77,7 @@ class Observations:
     phrasings: Mapping[str, Sequence[str]] = field(default_factory=dict)
     # write tool -> the tools the target refused it without, and its words when it did
     preconditions: Mapping[str, Precondition] = field(default_factory=dict)
+    requests: Sequence[str] = ()  # what the target's users asked, word for word
 
     @classmethod
     def from_calls(cls, calls: Iterable[tuple[dict[str, Any], Any]]) -> Observations:
@@ -354,6 +356,8 @@ def synthesize(
     bound = [interface.bindings[n] for n in dict.fromkeys(needed)]
     if not tasks:  # tools that follow none of the conventions the family reads: the calls themselves
         tasks, checks, bound = requests(tools, interface.param_column, interface.observations.phrasings)
+    else:
+        tasks = as_users_ask(tasks, interface.observations.requests, vocabulary(interface.tables.values()))
     if not tasks:
         raise SpecError(f"the target's tools offer nothing to exercise {capability!r} with")
     spec = EnvSpec(
@@ -369,6 +373,105 @@ def synthesize(
     spec = spec.model_copy(update={"hint": hint or worked_hint(spec)})
     check_spec(spec)
     return spec
+
+
+Vocabulary = dict[str, re.Pattern[str]]  # a column's name -> what its values look like in a request
+_EMAIL = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
+
+
+def vocabulary(tables: Iterable[Table]) -> Vocabulary:
+    """What each column's values look like, as the environment generates them: an id by its
+    pattern, an email as any email, other text and choices by their values."""
+    found: dict[str, set[str]] = {}
+    for table in tables:
+        for name, column in table.columns.items():
+            values = [str(v) for v in column.values if str(v).strip()]
+            if column.kind == "id" and column.pattern:
+                found.setdefault(name, set()).add(_id_regex(column.pattern))
+            elif values and all(_EMAIL.fullmatch(v) for v in values):
+                found.setdefault(name, set()).add(_EMAIL.pattern)
+            elif column.kind in ("text", "choice"):
+                found.setdefault(name, set()).update(map(re.escape, values))
+    return {
+        name: re.compile(rf"(?<![\w.@])(?:{'|'.join(sorted(options, key=len, reverse=True))})(?![\w@]|\.\w)")
+        for name, options in found.items()
+        if options
+    }
+
+
+def _id_regex(pattern: str) -> str:
+    """An id pattern (``#W{d7}``) as a regular expression."""
+    parts = re.split(r"(\{d\d{1,2}\})", pattern)
+    return "".join(rf"\d{{{p[2:-1]}}}" if re.fullmatch(r"\{d\d{1,2}\}", p) else re.escape(p) for p in parts)
+
+
+def ticket_phrasing(request: str, words: Vocabulary) -> str:
+    """``request`` with every value it states that a column could hold as that column's
+    ``{name}``, the longest first (an email before the name inside it)."""
+    text = request.replace("{", "(").replace("}", ")")
+    spans = sorted(
+        ((m.start(), m.end(), name) for name, pattern in words.items() for m in pattern.finditer(text)),
+        key=lambda span: (span[0] - span[1], span[0]),
+    )
+    kept: list[tuple[int, int, str]] = []
+    for start, end, name in spans:
+        if all(end <= a or start >= b for a, b, _ in kept):
+            kept.append((start, end, name))
+    for start, end, name in sorted(kept, reverse=True):
+        text = f"{text[:start]}{{{name}}}{text[end:]}"
+    return text
+
+
+_PLACEHOLDER = re.compile(r"\{([\w.]+)\}")
+
+
+def as_users_ask(
+    tasks: list[TaskTemplate], requests: Sequence[str], words: Vocabulary, most: int = 3
+) -> list[TaskTemplate]:
+    """``tasks``, each also worded as the target's users worded such a request: a captured
+    request whose stated values are exactly the values the ticket states (an order, a
+    reason, a name and a zip), those values drawn anew. Up to ``most`` wordings a ticket,
+    the commonest, beside its own, sharing its weight; a wording that fits tickets acting
+    on two tools is ambiguous and used for neither. An expert taught "Please cancel my
+    order ... My first name is ..." skipped the search on the target's "I'm Kenji Lopez,
+    zip 78701"."""
+    wordings = Counter(ticket_phrasing(r, words) for r in requests)
+
+    def stated(template: TaskTemplate) -> dict[str, str] | None:
+        """The template's placeholders by column name (None: a name placed twice)."""
+        full = _PLACEHOLDER.findall(template.prompt)
+        names = {f.split(".")[-1]: f for f in full}
+        return names if len(names) == len(set(full)) else None
+
+    fits: dict[str, set[str]] = {}
+    for wording in wordings:
+        names = set(_PLACEHOLDER.findall(wording))
+        for template in tasks:
+            if names and (placed := stated(template)) is not None and names == set(placed):
+                fits.setdefault(wording, set()).add(template.kind.removeprefix("refuse_"))
+    own = [
+        [
+            w
+            for w, _ in wordings.most_common()
+            if len(fits.get(w, ())) == 1 and set(_PLACEHOLDER.findall(w)) == set(stated(t) or {})
+        ][:most]
+        for t in tasks
+    ]
+    # The commonest wording of every ticket first, then the next: as many as a spec holds.
+    room, chosen = MAX_TEMPLATES - len(tasks), [[] for _ in tasks]
+    for rank in range(most):
+        for i, wordings_of in enumerate(own):
+            if rank < len(wordings_of) and room > 0:
+                chosen[i].append(wordings_of[rank])
+                room -= 1
+    worded: list[TaskTemplate] = []
+    for template, picked in zip(tasks, chosen, strict=True):
+        placed, weight = stated(template) or {}, template.weight / (len(picked) + 1)
+        worded.append(template.model_copy(update={"weight": weight}))
+        for wording in picked:
+            prompt = _PLACEHOLDER.sub(lambda m, placed=placed: "{" + placed[m[1]] + "}", wording)
+            worded.append(template.model_copy(update={"weight": weight, "prompt": prompt}))
+    return worded
 
 
 def is_generic(spec: EnvSpec) -> bool:
@@ -432,6 +535,7 @@ class CapturedInterface:
             guards=observed_guards(trajectories),
             phrasings=observed_phrasings(trajectories),
             preconditions=observed_preconditions(trajectories, system_prompt),
+            requests=[t.user for t in trajectories if t.user],
         )
         return cls(store.tool_schemas(agent), system_prompt, observed, examples)
 
