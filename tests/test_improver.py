@@ -220,7 +220,7 @@ def test_an_evaluated_task_is_kept_out_of_training_in_every_phrasing(sqlite_url,
     from trace_plugin.environments.base import task_keys
     from trace_plugin.environments.retail import POLICY, TOOLS
     from trace_plugin.environments.synthesis import synthesize
-    from trace_plugin.environments.validation import phrasings, plainly_asked
+    from trace_plugin.environments.validation import plainly_asked, training_forms
     from trace_plugin.improver.config import HELD_OUT_SEEDS
     from trace_plugin.improver.stages import evaluated_task_keys
 
@@ -233,7 +233,7 @@ def test_an_evaluated_task_is_kept_out_of_training_in_every_phrasing(sqlite_url,
     held_out = HELD_OUT_SEEDS[:4]
     asked_plainly = task_keys(lambda: SpecEnv(plainly_asked(named)), held_out)
     assert asked_plainly <= keys and asked_plainly - task_keys(lambda: SpecEnv(named), held_out)
-    assert len(phrasings(named)) > 2
+    assert len(training_forms(named)) > 2
     store.close()
 
 

@@ -237,7 +237,7 @@ def plainly_asked(spec: EnvSpec) -> EnvSpec:
     return spec.model_copy(update={"difficulty": spec.difficulty.model_copy(update={"name_tools": 0.0})})
 
 
-def phrasings(spec: EnvSpec) -> list[EnvSpec]:
+def training_forms(spec: EnvSpec) -> list[EnvSpec]:
     """Every form in which training may meet ``spec``'s tasks: its levels and the warm
     start's plain requests. The same task asked another way is the same task, so an
     evaluated seed is kept out of training in all of them."""

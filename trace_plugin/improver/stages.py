@@ -17,7 +17,7 @@ from trace_plugin.chat_template import gate_input
 from trace_plugin.environments.base import Environment, request_key, task_keys
 from trace_plugin.environments.catalog import chat_player, env_factory, prepare_environment
 from trace_plugin.environments.interpreter import SpecEnv, reference_play, turn_budget
-from trace_plugin.environments.validation import Band, phrasings
+from trace_plugin.environments.validation import Band, training_forms
 from trace_plugin.export import Conversation, successful_conversations
 from trace_plugin.improver.config import (
     CALIBRATION_SEEDS_START,
@@ -241,11 +241,11 @@ def unservable(trained: Trained) -> str | None:
 
 def evaluated_task_keys(config: ImproverConfig, spec: EnvSpec, store: Store) -> set[str]:
     """Every task an evaluation plays: the environment's held-out and gate seeds, in every
-    phrasing training may meet them (``phrasings``), and the target's tasks, the gate's and
-    those a report measures. Training plays none of them, neither the warm start nor GRPO:
+    form training may meet them (``training_forms``), and the target's tasks, the gate's
+    and those a report measures. Training plays none of them, neither the warm start nor GRPO:
     requests phrased like the target's traffic may repeat one of its tasks."""
     seeds = [*HELD_OUT_SEEDS[: config.eval_seeds], *GATE_SEEDS[: config.gate_seeds]]
-    keys = {key for form in phrasings(spec) for key in task_keys(lambda form=form: SpecEnv(form), seeds)}
+    keys = {key for form in training_forms(spec) for key in task_keys(lambda form=form: SpecEnv(form), seeds)}
     if target := evaluated_target(config, store):
         keys |= task_keys(*target)
     return keys
