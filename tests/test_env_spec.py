@@ -16,7 +16,16 @@ from trace_plugin.environments.synthesis import FAMILIES, Observations, observed
 from trace_plugin.environments.validation import Band, adjust, calibrate, check_policies
 from trace_plugin.mining.detectors import Trajectory
 from trace_plugin.mining.kinds import KINDS, FamilyName
-from trace_plugin.records.env_spec import WRITES, Column, EnvSpec, SpecError, Table, check_spec, parse_spec
+from trace_plugin.records.env_spec import (
+    WRITES,
+    Column,
+    EnvSpec,
+    SpecError,
+    Table,
+    TaskTemplate,
+    check_spec,
+    parse_spec,
+)
 from trace_plugin.records.expert import Expert
 from trace_plugin.records.router_spec import CorpusEntry
 from trace_plugin.store import Store
@@ -667,7 +676,7 @@ def test_tickets_are_also_worded_as_the_targets_users_word_them(sqlite_url, monk
 
 
 def test_a_request_is_worded_with_the_longest_value_first():
-    from trace_plugin.environments.synthesis import ticket_phrasing, vocabulary
+    from trace_plugin.environments.synthesis import as_users_ask, ticket_phrasing, vocabulary
 
     tables = [
         Table(
@@ -684,3 +693,12 @@ def test_a_request_is_worded_with_the_longest_value_first():
         ticket_phrasing("I'm Kenji {really}, user U1234, email kenji.rossi@example.com.", words)
         == "I'm {first_name} (really), user {user_id}, email {email}."
     )
+    # A hostile request (longer than a ticket may be) words nothing; a fitting one does.
+    template = TaskTemplate(kind="close_user", slots={"x": {"table": "user"}}, prompt="Close {x.user_id}.")
+    fitting, hostile = "Please close U1234.", "Please close U1234. " + "x" * 10_000
+    assert [t.prompt for t in as_users_ask([template], [hostile], words)] == ["Close {x.user_id}."]
+    worded = as_users_ask([template], [fitting, hostile], words)
+    assert [(t.prompt, t.weight) for t in worded] == [
+        ("Close {x.user_id}.", 0.5),
+        ("Please close {x.user_id}.", 0.5),
+    ]

@@ -31,6 +31,7 @@ from trace_plugin.mining.detectors import Trajectory, guess_role, name_words
 from trace_plugin.mining.kinds import KINDS, FamilyName
 from trace_plugin.records.env_spec import (
     MAX_TEMPLATES,
+    MAX_TEXT,
     Action,
     Check,
     Column,
@@ -434,8 +435,8 @@ def as_users_ask(
     the commonest, beside its own, sharing its weight; a wording that fits tickets acting
     on two tools is ambiguous and used for neither. An expert taught "Please cancel my
     order ... My first name is ..." skipped the search on the target's "I'm Kenji Lopez,
-    zip 78701"."""
-    wordings = Counter(ticket_phrasing(r, words) for r in requests)
+    zip 78701". A request past half a ticket's length limit is not a wording."""
+    wordings = Counter(ticket_phrasing(r, words) for r in requests if len(r) <= MAX_TEXT // 2)
 
     def stated(template: TaskTemplate) -> dict[str, str] | None:
         """The template's placeholders by column name (None: a name placed twice)."""
