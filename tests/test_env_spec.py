@@ -675,6 +675,34 @@ def test_tickets_are_also_worded_as_the_targets_users_word_them(sqlite_url, monk
     store.close()
 
 
+def test_emails_come_from_the_requests_where_the_agents_calls_show_none(sqlite_url, monkeypatch):
+    """The quick demo's agent never found a user by email, so the environment made emails
+    up ("mia.novak@example.com"), and its expert read the target's "noah.okafor37@…" as a
+    first and a last name. Users state their emails in their requests: those are the pool."""
+    import re
+
+    from trace_plugin.environments import planted
+    from trace_plugin.environments.retail import TRAIN_SEEDS
+    from trace_plugin.environments.synthesis import CapturedInterface
+
+    def skips_identity(task, env):
+        calls, texts, answer = planted._competent(task, env)
+        return [c for c in calls if c["name"] != "find_user"], texts, answer
+
+    monkeypatch.setitem(planted.POLICIES, "skips_identity", skips_identity)
+    store = Store(sqlite_url)
+    store.upgrade()
+    episodes = planted.corpus(list(TRAIN_SEEDS)[:48], ("skips_identity",))
+    store.write([r for e in episodes for r in (e, *e.steps)])
+    observations = CapturedInterface.from_store(store, episodes[0].agent).observations
+    assert len(observations.values.get("email", ())) < 3  # the agent's calls show (almost) none
+    stated = {e for r in observations.requests for e in re.findall(r"[\w.+-]+@[\w.-]+\.\w+", r)}
+    spec = synthesize("write_completion", TOOLS, system_prompt=POLICY, observations=observations)
+    emails = spec.tables["user"].columns["email"].values
+    assert len(emails) >= 3 and set(emails) <= stated
+    store.close()
+
+
 def test_a_request_is_worded_with_the_longest_value_first():
     from trace_plugin.environments.synthesis import as_users_ask, ticket_phrasing, vocabulary
 

@@ -291,7 +291,14 @@ class Interface:
         if param in _POOLS:
             return Column(kind="text", values=_POOLS[param])
         if param == "email":
-            return Column(kind="text", values=[f"{f.lower()}.{ln.lower()}@example.com" for f, ln in _pairs()])
+            # Users state their emails in their requests, where the agent's calls seldom
+            # show them: made-up ones ("mia.novak@…") looked unlike "noah.okafor37@…",
+            # which an expert then read as a first and a last name.
+            stated = sorted(
+                {e for r in self.observations.requests for e in _EMAIL.findall(r) if len(e) <= 80}
+            )[:32]
+            made = [f"{f.lower()}.{ln.lower()}@example.com" for f, ln in _pairs()]
+            return Column(kind="text", values=stated if len(stated) >= 3 else made)
         if "zip" in param or "code" in param:
             return Column(kind="id", pattern="{d5}")
         return Column(kind="text", values=[f"{param.replace('_', ' ')} {i}" for i in range(1, 6)])
