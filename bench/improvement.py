@@ -31,7 +31,8 @@ The ablations (``bench/improvement_ablations.py``) read this run's folder and ad
 Every stage's result is kept under the run's folder (``--out``): run the same command again
 after a kill and it picks up where it stopped (``--fresh`` starts over).
 
-    python bench/improvement.py [--quick] [--tasks N] [--traffic N] [--cycles N] [--budget ROLLOUTS]
+    python bench/improvement.py [--quick] [--tasks N] [--traffic N] [--cycles N] [--experts N]
+                                [--budget ROLLOUTS]
                                 [--precision auto|float32|bfloat16] [--out DIR] [--fresh]
 """
 
@@ -157,6 +158,9 @@ def arguments(description: str) -> argparse.Namespace:
     parser.add_argument("--tasks", type=int, help="retail test tasks")
     parser.add_argument("--traffic", type=int, help="retail train tasks captured as traffic per cycle")
     parser.add_argument("--cycles", type=int, help="improvement cycles")
+    parser.add_argument(
+        "--experts", type=int, help="experts in all, spread evenly over the cycles (default: the preset's)"
+    )
     parser.add_argument("--out", type=Path, help="the run's folder (default: bench-out/improvement-PRESET)")
     parser.add_argument(
         "--precision",
@@ -199,6 +203,9 @@ class Bench:
             traffic_tasks=args.traffic or preset.traffic_tasks,
             cycles=args.cycles or preset.cycles,
         )
+        if args.experts:  # a cycle trains its share, so that a later cycle still teaches
+            per_cycle = -(-args.experts // preset.cycles)
+            preset = replace(preset, max_experts=per_cycle, max_capabilities=args.experts)
         # Absolute: the gateway resolves a relative adapter path under its adapter root.
         out = (args.out or Path("bench-out") / f"improvement-{name}").resolve()
         if args.fresh and out.exists():
