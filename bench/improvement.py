@@ -150,7 +150,7 @@ def _resident_gb() -> float:
     return 0.0
 
 
-def arguments(description: str) -> argparse.Namespace:
+def arguments(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The options both benches take: the ablations must name the headline's settings."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true")
@@ -171,7 +171,23 @@ def arguments(description: str) -> argparse.Namespace:
     parser.add_argument(
         "--fresh", action="store_true", help="start over instead of resuming the folder's run"
     )
-    return parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def bench_preset(args: argparse.Namespace) -> Preset:
+    """The preset the options name, with their overrides. ``--experts`` spreads the experts
+    over the cycles, so that a later cycle still has one to teach what the first left failing."""
+    preset = BENCH_PRESETS["quick" if args.quick else "default"]
+    preset = replace(
+        preset,
+        test_tasks=args.tasks or preset.test_tasks,
+        traffic_tasks=args.traffic or preset.traffic_tasks,
+        cycles=args.cycles or preset.cycles,
+    )
+    if args.experts:
+        per_cycle = -(-args.experts // preset.cycles)
+        preset = replace(preset, max_experts=per_cycle, max_capabilities=args.experts)
+    return preset
 
 
 @dataclass
@@ -196,16 +212,7 @@ class Bench:
     def open(cls, args: argparse.Namespace, *, need_started: bool = False) -> Bench:
         """The run's folder, refused when it holds a run with other settings."""
         name = "quick" if args.quick else "default"
-        preset = BENCH_PRESETS[name]
-        preset = replace(
-            preset,
-            test_tasks=args.tasks or preset.test_tasks,
-            traffic_tasks=args.traffic or preset.traffic_tasks,
-            cycles=args.cycles or preset.cycles,
-        )
-        if args.experts:  # a cycle trains its share, so that a later cycle still teaches
-            per_cycle = -(-args.experts // preset.cycles)
-            preset = replace(preset, max_experts=per_cycle, max_capabilities=args.experts)
+        preset = bench_preset(args)
         # Absolute: the gateway resolves a relative adapter path under its adapter root.
         out = (args.out or Path("bench-out") / f"improvement-{name}").resolve()
         if args.fresh and out.exists():

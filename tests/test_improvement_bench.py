@@ -1,5 +1,5 @@
-"""The headline bench's bookkeeping: wall time summed over a resumed run's parts, and the
-ablations' reading of routers and routing decisions."""
+"""The headline bench's bookkeeping: its options' preset, wall time summed over a resumed
+run's parts, and the ablations' reading of routers and routing decisions."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from improvement import Clock  # noqa: E402
+from improvement import BENCH_PRESETS, Clock, arguments, bench_preset  # noqa: E402
 from improvement_ablations import dominant, rename_adapters, top1  # noqa: E402
 
 
@@ -45,3 +45,13 @@ def test_a_mixture_decision_counts_as_its_largest_share():
     assert dominant("") == ""  # the base model
     assert dominant("lookup:0.6,writes:0.4;layers=0123456789ab") == "lookup"
     assert dominant("writes") == "writes"
+
+
+def test_experts_are_spread_over_the_cycles_so_a_later_cycle_still_teaches():
+    default = BENCH_PRESETS["default"]
+    assert bench_preset(arguments("headline", [])) == default
+    two = bench_preset(arguments("headline", ["--experts", "2"]))
+    assert (two.max_experts, two.max_capabilities, two.cycles) == (1, 2, default.cycles)
+    three = bench_preset(arguments("headline", ["--experts", "3", "--cycles", "2", "--tasks", "12"]))
+    assert (three.max_experts, three.max_capabilities, three.test_tasks) == (2, 3, 12)
+    assert three.rollouts == default.rollouts  # nothing else changes
