@@ -730,3 +730,24 @@ def test_a_request_is_worded_with_the_longest_value_first():
         ("Close {x.user_id}.", 0.5),
         ("Please close {x.user_id}.", 0.5),
     ]
+
+
+def test_a_required_lookup_of_the_written_row_is_the_tickets_own_row():
+    """The headline's traffic showed cancels going through after find_user and get_order,
+    so both became the write's precondition, and get_order was given a row of its own: the
+    tickets named a second order ("My order id is ...") that the reference then read. The
+    written row is the one to read."""
+    from trace_plugin.environments.synthesis import Precondition
+
+    needs = Precondition(("find_user", "get_order"), "identify the user before changing an order")
+    observations = Observations(preconditions={"cancel_order": needs})
+    spec = synthesize("write_completion", TOOLS, system_prompt=POLICY, observations=observations)
+    assert {t.name: t.requires for t in spec.tools}["cancel_order"] == ["find_user", "get_order"]
+    env = SpecEnv(spec)
+    for seed in range(16):
+        task = env.reset(seed)
+        assert task.metadata["satisfiable"], task.metadata["reference_errors"]
+        reference = task.metadata["reference"]
+        written = reference[-1]["arguments"]["order_id"]
+        assert [a["arguments"]["order_id"] for a in reference if a["name"] == "get_order"] == [written]
+        assert "My order id is" not in task.prompt, task.prompt

@@ -713,6 +713,10 @@ def _prerequisites(interface: Interface, writer: ToolSpec) -> list[Way] | None:
     ways: list[Way] = [([], {}, "")]
     for i, name in enumerate(writer.requires):
         tool, slot = interface.bindings[name], f"p{i}"
+        if tool.behaviour == "lookup" and tool.table == writer.table:
+            # The ticket's own row, which the reference reads before writing: another row
+            # here had tickets name a second order ("My order id is ...") for no reason.
+            continue
         if tool.behaviour == "list" and tool.table:
             fields = list(tool.filters.items())
             options = [fields[:1], fields[1:]] if len(fields) >= 3 else [fields[:1]]
