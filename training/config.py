@@ -77,7 +77,9 @@ class ExpertTrainingConfig:
     # conversations, as serving rendered them (``EpisodePlayer.served``): the expert keeps
     # what the agent already does right.
     rehearsal_share: float = 0.25
-    warm_start_epochs: int = 2
+    # One pass: in the headline's two warm starts (2026-12-07) the loss was 0.02–0.03 and the
+    # token accuracy 0.995 by the end of the first of two epochs; the second cost 5 minutes each.
+    warm_start_epochs: int = 1
     warm_start_batch_size: int = 4
     warm_start_learning_rate: float = 5e-4
     # A group whose rollouts all failed (hinted ones too) gets the task's reference play in
