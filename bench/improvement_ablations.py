@@ -15,7 +15,9 @@ other settings. On the headline's reported tasks, its adapters and its router:
 - each expert alone, and the ``oracle``: per task, the best of the base, every expert and
   the mixture the improver's router chose;
 - router accuracy: how often each router's choice, as the gateway itself decides it, is the
-  oracle's, on tasks where one choice was strictly best (a mixture counts as its largest share).
+  oracle's, on tasks where one choice was strictly best (a mixture counts as its largest share);
+- GRPO on the target along its run: its snapshots at a third and two thirds of its steps,
+  the middle of the curve whose ends the headline printed.
 
 Every result is kept under the run's folder beside the headline's: a killed run resumes.
 
@@ -42,6 +44,7 @@ from improvement import (  # noqa: E402
     arguments,
     at_spent,
     expert_results,
+    grpo_curve,
     peak_rss_gb,
     rows_table,
 )
@@ -224,6 +227,8 @@ def main() -> None:
             )
             rows["single_union"] = bench.evaluated("single_union", lambda: union)
             clock.tick()
+        curve = [(n, round(mean(v), 4)) for n, v in grpo_curve(bench)]
+        clock.tick()
         options = choices(bench, experts, rows)
         rows["oracle"] = [max(scores.values()) for scores in options]
         accuracy = {name: router_accuracy(bench, f"router:{name}", options) for name in routers}
@@ -237,6 +242,10 @@ def main() -> None:
 
     figures = rows_table(console, rows, {}, f"Ablations on the {len(bench.test)} reported retail tasks")
     console.print(f"router accuracy against the oracle: {accuracy}")
+    console.print(
+        "GRPO on the target along its run (rollouts spent → success): "
+        + (", ".join(f"{n} → {s:.2f}" for n, s in curve) or "no snapshot reached")
+    )
     console.print(
         "transfer, each expert on the reported tasks whose base episode its detector labels LACKING: "
         + ", ".join(
@@ -264,6 +273,7 @@ def main() -> None:
                 "router_accuracy": accuracy.get("mixture"),
                 "router_accuracy_top1": accuracy.get("top1"),
                 "router_accuracy_gate": accuracy.get("gate"),
+                "curve_grpo_snapshots": [[n, s] for n, s in curve],
                 "bench_seconds": round(clock.total),
                 "peak_rss_gb": peak_rss_gb(),
             }

@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from improvement import BENCH_PRESETS, Clock, arguments, bench_preset  # noqa: E402
+from improvement import BENCH_PRESETS, Clock, arguments, bench_preset, mixture_ratio_step  # noqa: E402
 from improvement_ablations import dominant, rename_adapters, top1  # noqa: E402
 
 
@@ -50,8 +50,46 @@ def test_a_mixture_decision_counts_as_its_largest_share():
 def test_experts_are_spread_over_the_cycles_so_a_later_cycle_still_teaches():
     default = BENCH_PRESETS["default"]
     assert bench_preset(arguments("headline", [])) == default
+    assert (default.max_experts, default.max_capabilities, default.cycles) == (1, 2, 2)  # one a cycle
     two = bench_preset(arguments("headline", ["--experts", "2"]))
-    assert (two.max_experts, two.max_capabilities, two.cycles) == (1, 2, default.cycles)
+    assert two == default
     three = bench_preset(arguments("headline", ["--experts", "3", "--cycles", "2", "--tasks", "12"]))
     assert (three.max_experts, three.max_capabilities, three.test_tasks) == (2, 3, 12)
     assert three.rollouts == default.rollouts  # nothing else changes
+
+
+class _Played:
+    """A bench's evaluations as the mixture figure reads them: each key played once, its
+    wall time kept, and which keys were played here rather than read back."""
+
+    def __init__(self, kept: dict[str, float]) -> None:
+        self.seconds: dict[str, float] = {}
+        self.kept, self.played = kept, []
+
+    def evaluated(self, key, model):
+        if key not in self.kept:
+            model()
+            self.played.append(key)
+            self.kept[key] = 60.0
+        self.seconds[key] = self.kept[key]
+        return [1.0]
+
+    def serve(self, router, name, adapters):
+        return f"router:{name}"
+
+
+def test_a_rejected_composition_is_played_once_for_its_row_and_its_speed_figure():
+    from types import SimpleNamespace
+
+    last = SimpleNamespace(id="c2", router={"kind": "classifier"}, adapters={"a": "a@1", "b": "b@1"})
+    experts = {"a": SimpleNamespace(capability="a", adapter_name="a@1")}
+    cycles = [
+        {"deployment": "c1", "candidate_key": None},  # made live: its play is the live agent's
+        {"deployment": "c2", "candidate_key": "candidate-2"},  # rejected: played as the candidate
+    ]
+    bench = _Played({"candidate-2": 90.0})
+    assert mixture_ratio_step(bench, last, experts, cycles) == 1.5  # 90 s through it ÷ 60 alone
+    assert bench.played == ["expert-a"]  # the composition was not played again
+    live = _Played({})  # the last composition went live: no candidate play to read
+    mixture_ratio_step(live, last, experts, [{"deployment": "c2", "candidate_key": None}])
+    assert live.played == ["expert-a", "mixture"]
