@@ -347,18 +347,23 @@ def cycle_step(bench: Bench, n: int) -> dict[str, Any]:
         # Resumes the cycle a killed run left unfinished, once that run's lease has lapsed.
         bench.improver.run_once(wait=2 * bench.improver.config.lease_ttl)
         cycle_id = [j.cycle for j in store.jobs(AGENT) if j.stage == "cycle"][-1]
-        live = successes(asyncio.run(bench.improver.live_summary(bench.test)).episodes)
+        # The live agent, played once per deployment: a cycle that deployed nothing reads
+        # the play of the one before it (the base model's is the base row's).
+        serving = bench.improver.live()
+        if serving is None:
+            live_key, live = None, successes(base_step(bench)["episodes"])
+        else:
+            live_key = f"live-{serving.id}"
+            live = bench.evaluated(live_key, lambda: asyncio.run(bench.improver.live_model()))
         report = cycle_report(store, cycle_id, mean(traffic), {"success": mean(live)})
         deployment = next((d for d in store.deployments(AGENT) if d.id == cycle_id), None)
         # What the cycle composed, whether or not it passed the gate; made live, it is what
         # was just measured.
-        if deployment is None:
-            candidate = None
-        elif report.deployed:
-            candidate = live
-        else:
+        candidate_key, candidate = None, None
+        if deployment is not None:
+            candidate_key = live_key if report.deployed else f"candidate-{n}"
             candidate = bench.evaluated(
-                f"candidate-{n}",
+                candidate_key,
                 lambda: bench.serve(deployment.router, f"candidate-{n}", deployment.adapters.values()),
             )
         spent = sum(r.rollouts_spent for r in expert_results(store))
@@ -367,9 +372,11 @@ def cycle_step(bench: Bench, n: int) -> dict[str, Any]:
             "candidate": candidate,
             "live": live,
             "rollouts": spent,
+            # Which kept evaluations played them, for the speed figure (``mixture_ratio_step``).
             "deployment": deployment.id if deployment else None,
-            # The evaluation that played the composition (None: it is the live one).
-            "candidate_key": f"candidate-{n}" if deployment is not None and not report.deployed else None,
+            "candidate_key": candidate_key,
+            "live_key": live_key,
+            "live_alone": serving is not None and serving.router["kind"] == "static",
         }
 
     return bench.results.get(f"cycle-{n}", run)
@@ -465,17 +472,17 @@ def turn_kv_step(bench: Bench, expert: Expert) -> float:
 def mixture_ratio_step(
     bench: Bench, last: Deployment | None, experts: dict[str, Expert], cycles: list[dict[str, Any]]
 ) -> float | None:
-    """The reported tasks through the last router's mixtures ÷ through its first expert
-    alone (None when the router makes no choice: one expert takes everything). A composition
-    the gate rejected was played on them already, as its cycle's candidate: that play is the
-    mixture's, not played twice."""
+    """The reported tasks through the last router's mixtures ÷ through one expert alone
+    (None when the router makes no choice: one expert takes everything). The cycles played
+    both already where they can: the composition as its cycle's candidate or live agent,
+    one expert alone as a live agent of one expert; those plays are not played twice."""
     if last is None or last.router["kind"] == "static":
         return None
     first = next(iter(experts.values()))
-    alone = f"expert-{first.capability}"
+    alone = next((c["live_key"] for c in cycles if c.get("live_alone")), None) or f"expert-{first.capability}"
     bench.evaluated(alone, lambda: first.adapter_name)
-    played = next((c.get("candidate_key") for c in cycles if c.get("deployment") == last.id), None)
-    mixture = played or "mixture"
+    played = (c.get("candidate_key") for c in cycles if c.get("deployment") == last.id)
+    mixture = next(played, None) or "mixture"
     bench.evaluated(mixture, lambda: bench.serve(last.router, mixture, last.adapters.values()))
     return round(bench.seconds[mixture] / bench.seconds[alone], 3)
 

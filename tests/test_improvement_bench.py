@@ -78,18 +78,21 @@ class _Played:
         return f"router:{name}"
 
 
-def test_a_rejected_composition_is_played_once_for_its_row_and_its_speed_figure():
+def test_the_mixture_figure_reads_the_plays_the_cycles_kept_instead_of_playing_them_again():
     from types import SimpleNamespace
 
     last = SimpleNamespace(id="c2", router={"kind": "classifier"}, adapters={"a": "a@1", "b": "b@1"})
     experts = {"a": SimpleNamespace(capability="a", adapter_name="a@1")}
     cycles = [
-        {"deployment": "c1", "candidate_key": None},  # made live: its play is the live agent's
-        {"deployment": "c2", "candidate_key": "candidate-2"},  # rejected: played as the candidate
+        # Made live with one expert: the live agent's play is one expert alone.
+        {"deployment": "c1", "candidate_key": "live-c1", "live_key": "live-c1", "live_alone": True},
+        # Rejected: the composition was played as the cycle's candidate.
+        {"deployment": "c2", "candidate_key": "candidate-2", "live_key": "live-c1", "live_alone": True},
     ]
-    bench = _Played({"candidate-2": 90.0})
+    bench = _Played({"live-c1": 60.0, "candidate-2": 90.0})
     assert mixture_ratio_step(bench, last, experts, cycles) == 1.5  # 90 s through it ÷ 60 alone
-    assert bench.played == ["expert-a"]  # the composition was not played again
-    live = _Played({})  # the last composition went live: no candidate play to read
-    mixture_ratio_step(live, last, experts, [{"deployment": "c2", "candidate_key": None}])
-    assert live.played == ["expert-a", "mixture"]
+    assert bench.played == []  # neither was played again
+    # A folder whose cycles kept no such keys plays both.
+    older = _Played({})
+    mixture_ratio_step(older, last, experts, [{"deployment": "c2"}])
+    assert older.played == ["expert-a", "mixture"]
