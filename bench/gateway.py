@@ -88,7 +88,6 @@ from trace_plugin.gateway.protocol import MAX_STOPS
 from trace_plugin.gateway.routing import KeywordRouter
 from trace_plugin.gateway.server import start_in_thread
 from trace_plugin.generation import common_length, folded, generate_batch
-from trace_plugin.improver.config import CORPUS_SEEDS
 from trace_plugin.improver.stages import retrieval_corpus
 from trace_plugin.records.router_spec import ClassifierSpec, ExpertEntry, Retrieval
 from training.lora import random_adapter
@@ -247,7 +246,7 @@ def classifier_routing(app, backend: EmbeddedBackend, url: str, requests: int, m
         name: synthesize(name, RetailEnv.tools, system_prompt=RetailEnv.system_prompt)
         for name in ("communicating_facts", "policy_refusal")
     }
-    corpus = asyncio.run(retrieval_corpus(specs, backend.embed, CORPUS_SEEDS[:4]))
+    corpus = asyncio.run(retrieval_corpus(specs, backend.embed, 4))
     experts = [ExpertEntry(adapter=a, name=n) for a, n in zip(("refunds", "returns"), specs, strict=True)]
     spec = ClassifierSpec(experts=experts, retrieval=Retrieval(corpus=corpus)).to_dict()
     httpx.post(f"{url}/v1/router", json=spec, timeout=120).raise_for_status()

@@ -751,3 +751,23 @@ def test_a_required_lookup_of_the_written_row_is_the_tickets_own_row():
         written = reference[-1]["arguments"]["order_id"]
         assert [a["arguments"]["order_id"] for a in reference if a["name"] == "get_order"] == [written]
         assert "My order id is" not in task.prompt, task.prompt
+
+
+def test_a_routers_corpus_holds_every_kind_of_task_asked_plainly():
+    """Drawn by weight, the first four writes are three kinds (two cancellations); a router's
+    corpus takes the kinds in turn, and asks as users ask even where the level names tools."""
+    from trace_plugin.environments.interpreter import corpus_plays
+    from trace_plugin.environments.validation import plainly_asked
+    from trace_plugin.improver.config import CORPUS_SEEDS
+
+    spec = synthesize("write_completion", TOOLS, system_prompt=POLICY)
+    kinds = sorted({t.kind for t in spec.tasks})
+    assert len(kinds) == 4 and len({SpecEnv(spec).reset(s).kind for s in CORPUS_SEEDS[:4]}) < 4
+    named = spec.model_copy(update={"difficulty": spec.difficulty.model_copy(update={"name_tools": 1.0})})
+    assert " Use " in SpecEnv(named).reset(CORPUS_SEEDS[0]).prompt
+    plain = plainly_asked(named)
+    plays = corpus_plays(plain, CORPUS_SEEDS, 8)
+    kind_of = {(task := SpecEnv(plain).reset(s)).prompt: task.kind for s in CORPUS_SEEDS}
+    assert sorted(kind_of[request] for request, _ in plays) == sorted(kinds * 2)  # each kind twice
+    assert not any(" Use " in request for request, _ in plays)
+    assert all("(" in solution for _, solution in plays)

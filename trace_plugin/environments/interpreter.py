@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import json
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from trace_plugin.chat_template import assistant_text
@@ -342,14 +343,24 @@ def turn_budget(spec: EnvSpec, seeds: Sequence[int] = range(32)) -> int:
     return longest
 
 
-def reference_play(spec: EnvSpec, seed: int) -> tuple[str, str] | None:
-    """A successful trajectory of ``spec`` on ``seed``, as a router retrieves it: the request,
-    and the reference calls that solve it as text; None when the task is unsatisfiable."""
-    task = SpecEnv(spec).reset(seed)
-    if not task.metadata["satisfiable"]:
-        return None
-    calls = [f"{r['name']}({json.dumps(r['arguments'], sort_keys=True)})" for r in task.metadata["reference"]]
-    return task.prompt, ", ".join(calls) or "a reply, with no tool call"
+def corpus_plays(spec: EnvSpec, seeds: Iterable[int], count: int) -> list[tuple[str, str]]:
+    """Up to ``count`` successful trajectories of ``spec`` as a router retrieves them (the
+    request, and the reference calls that solve it as text), its kinds of task taken in
+    turn over ``seeds``. Drawn by weight alone, a corpus of a few plays can hold one kind
+    (a headline's held four cancellations per expert), and then retrieval cannot tell a
+    return from a cancellation."""
+    by_kind: dict[str, list[tuple[str, str]]] = {}
+    kinds = {t.kind for t in spec.tasks}
+    for seed in seeds:
+        task = SpecEnv(spec).reset(seed)
+        if task.metadata["satisfiable"]:
+            reference = task.metadata["reference"]
+            calls = ", ".join(f"{r['name']}({json.dumps(r['arguments'], sort_keys=True)})" for r in reference)
+            by_kind.setdefault(task.kind, []).append((task.prompt, calls or "a reply, with no tool call"))
+        if set(by_kind) == kinds and min(map(len, by_kind.values())) >= count:
+            break  # enough of every kind for any share of the count
+    in_turn = itertools.chain.from_iterable(itertools.zip_longest(*by_kind.values()))
+    return [play for play in in_turn if play is not None][:count]
 
 
 def _named(seed: int, share: float) -> bool:

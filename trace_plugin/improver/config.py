@@ -81,7 +81,7 @@ class ImproverConfig:
     # candidates, a top-p weighted mixture), as "top1" (the classifier's single best), or by a
     # learned "gate"
     router: Router = "classifier"
-    corpus_seeds: int = 4  # reference plays per environment in the classifier's retrieval corpus
+    corpus_seeds: int = 8  # reference plays per environment in its retrieval corpus, its kinds in turn
     top_p: float = 0.9  # the classifier's nucleus
     gate_seeds: int = 16  # practice tasks per environment the gate is fitted on
     # evaluation, verdict, monitor

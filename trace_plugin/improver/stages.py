@@ -16,8 +16,8 @@ from trace_plugin.adapter_files import AdapterError, check_weights
 from trace_plugin.chat_template import gate_input
 from trace_plugin.environments.base import Environment, request_key, task_keys
 from trace_plugin.environments.catalog import chat_player, env_factory, prepare_environment
-from trace_plugin.environments.interpreter import SpecEnv, reference_play, turn_budget
-from trace_plugin.environments.validation import Band, training_forms
+from trace_plugin.environments.interpreter import SpecEnv, corpus_plays, turn_budget
+from trace_plugin.environments.validation import Band, plainly_asked, training_forms
 from trace_plugin.export import Conversation, successful_conversations
 from trace_plugin.improver.config import (
     CALIBRATION_SEEDS_START,
@@ -304,9 +304,7 @@ async def route(improver: CycleContext, experts: dict[str, str]) -> Routing:
             expert = improver.expert_of(capability, experts)
             if not expert.corpus:
                 specs = {capability: improver.env_of(expert)}
-                expert.corpus = await retrieval_corpus(
-                    specs, improver.gateway.embed, CORPUS_SEEDS[: config.corpus_seeds]
-                )
+                expert.corpus = await retrieval_corpus(specs, improver.gateway.embed, config.corpus_seeds)
                 improver.store.save_expert(expert)
             corpus += expert.corpus
     live = improver.live()
@@ -325,15 +323,17 @@ async def route(improver: CycleContext, experts: dict[str, str]) -> Routing:
 async def retrieval_corpus(
     specs: Mapping[str, EnvSpec],
     embed: Callable[[list[str]], Awaitable[list[list[float]]]],
-    seeds: Sequence[int],
+    count: int,
 ) -> list[CorpusEntry]:
-    """Each capability's successful trajectories (its environment's reference plays on
-    ``seeds``), embedded by the serving base model as the router will embed requests."""
+    """Each capability's successful trajectories (``count`` reference plays of its
+    environment, its kinds of task in turn), embedded by the serving base model as the
+    router will embed requests. Their requests are asked plainly, as the target's users
+    ask: a request that names its tools (a level GRPO may train at) is like every other
+    such request, whatever its kind."""
     plays = [
         (capability, *play)
         for capability, spec in specs.items()
-        for seed in seeds
-        if (play := reference_play(spec, seed)) is not None
+        for play in corpus_plays(plainly_asked(spec), CORPUS_SEEDS, count)
     ]
     embeddings = await embed([gate_input(request) for _, request, _ in plays])
     return [
