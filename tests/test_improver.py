@@ -19,6 +19,7 @@ from rich.console import Console
 
 from trace_plugin.environments.base import RewardBreakdown
 from trace_plugin.environments.interpreter import SpecEnv
+from trace_plugin.environments.validation import levels
 from trace_plugin.improver import GateFit, Improver, ImproverConfig, Verdict, judge, router_spec
 from trace_plugin.records.deployment import Deployment
 from trace_plugin.records.expert import Expert
@@ -644,13 +645,14 @@ def test_a_capability_the_live_agent_already_solves_is_not_trained_and_frees_its
     store.make_live(Deployment("c1", "a", "live", adapters={}, router={"kind": "static", "adapter": "x"}))
     names = ["policy_refusal", "multi_step_completion", "communicating_facts"]
     improver, trained = _selecting(store, monkeypatch, names)
-    registered, played = {}, []
+    registered, played, levels_played = {}, [], []
 
     async def set_router(spec, *, name=None):
         registered[name] = spec
 
     async def play(spec, model, seeds):  # the live agent solves refusals only
         played.append((spec.capability, model))
+        levels_played.append(spec)
         solved = spec.capability == "policy_refusal"
         return [EpisodeResult(s, "k", RewardBreakdown(float(solved)), "", "") for s in seeds]
 
@@ -660,6 +662,11 @@ def test_a_capability_the_live_agent_already_solves_is_not_trained_and_frees_its
     assert trained == ["multi_step_completion"]
     assert played == [("policy_refusal", "router:c1"), ("multi_step_completion", "router:c1")]
     assert registered == {"c1": {"kind": "static", "adapter": "x"}}  # by its own name, not "default"
+    # At the environment's hardest level, not the one calibration eased for the base model
+    # (a headline's live expert passed eased writes tickets and skipped the writes it failed).
+    stored = [store.env_spec(f"{c}-env", 1).spec for c, _ in played]
+    assert levels_played == [levels(spec)[0][-1] for spec in stored]
+    assert all(played != spec for played, spec in zip(levels_played, stored, strict=True))
     jobs = {(j.stage, j.key): j for j in store.jobs("a")}
     assert Screened.from_dict(jobs["screen", "policy_refusal"].outputs) == Screened(
         "router:c1", 1.0, 1.0, False
@@ -747,7 +754,7 @@ def test_a_deployed_candidate_is_measured_once_on_the_target(sqlite_url, monkeyp
     async def screened(env):
         return Screened("base", 0.0, 0.0, True)
 
-    async def evaluated(improver, cycle, experts, routing, screened):
+    async def evaluated(improver, cycle, experts, routing):
         return Evaluation({"fmt": "fmt@1"}, routing.router, {}, TargetScores(current=base, candidate=better))
 
     async def deployed(deployment):

@@ -32,7 +32,6 @@ from trace_plugin.records.stage_outputs import (
     Evaluation,
     Routing,
     Scores,
-    Screened,
     Summary,
     TargetScores,
     Verdict,
@@ -50,11 +49,10 @@ async def evaluate(
     cycle: str,
     experts: dict[str, str],
     routing: Routing,
-    screened: Mapping[str, Screened] | None = None,
 ) -> Evaluation:
     """Score the candidate router and its experts against the live deployment, through the
-    gateway. Where ``screened`` already played the live agent on a capability's held-out
-    seeds (before training: the live agent has not changed since), that is its score."""
+    gateway, each capability at its calibrated level (the screen played the live agent at
+    the hardest)."""
     config, console = improver.config, improver.console
     adapters = await improver.load_candidates(experts)  # again: the gateway may have restarted
     await improver.gateway.set_router(routing.router, name=cycle)
@@ -63,8 +61,7 @@ async def evaluate(
     for capability, name in adapters.items():
         spec = improver.spec(capability, experts)
         seeds = list(HELD_OUT_SEEDS[: config.eval_seeds])
-        before = (screened or {}).get(capability)
-        scored = {before.served: before.mean_reward} if before is not None else {}
+        scored: dict[str, float] = {}
         for model in ("base", live, name):
             if model not in scored:
                 scored[model] = mean_reward(await improver.play_spec(spec, model, seeds))

@@ -185,7 +185,7 @@ class Improver:
             return self._finish(cycle, end)
         routing: Routing = await self.run_job(cycle, "route", "all", lambda: self.route(experts))
         scores: Evaluation = await self.run_job(
-            cycle, "evaluate", "all", lambda: evaluation.evaluate(self, cycle, experts, routing, screened)
+            cycle, "evaluate", "all", lambda: evaluation.evaluate(self, cycle, experts, routing)
         )
         verdict: Verdict = await self.run_job(cycle, "verdict", "all", lambda: self._judge(scores))
         # Recorded "rejected" until the deploy stage makes it live (a resumed cycle finds it).

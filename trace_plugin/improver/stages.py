@@ -17,7 +17,7 @@ from trace_plugin.chat_template import gate_input
 from trace_plugin.environments.base import Environment, request_key, task_keys
 from trace_plugin.environments.catalog import chat_player, env_factory, prepare_environment
 from trace_plugin.environments.interpreter import SpecEnv, corpus_plays, turn_budget
-from trace_plugin.environments.validation import Band, plainly_asked, training_forms
+from trace_plugin.environments.validation import Band, levels, plainly_asked, training_forms
 from trace_plugin.export import Conversation, successful_conversations
 from trace_plugin.improver.config import (
     CALIBRATION_SEEDS_START,
@@ -122,15 +122,19 @@ async def synthesize(improver: CycleContext, capability: str) -> Synthesized:
 
 
 async def screen(improver: CycleContext, env: Synthesized) -> Screened:
-    """The live agent, as it serves now, in the capability's new environment: trained only
-    if it still fails there (success below ``retrain_below``). Selection reads the base
-    model's failures in old traffic; this asks whether they are still the agent's."""
+    """The live agent, as it serves now, in the capability's new environment at its hardest
+    level: trained only if it still fails there (success below ``retrain_below``). Selection
+    reads the base model's failures in old traffic; this asks whether they are still the
+    agent's. Not at the calibrated level: calibration eases it for the base model, and a
+    headline's live expert solved every writes ticket that named its tools and asked one
+    call, and so skipped the writes the target still failed."""
     config = improver.config
     record = improver.store.env_spec(env.env, env.version)
     if record is None:
         raise ImproverError(f"environment {env.env} v{env.version} is not in the store")
     served = await improver.live_model()
-    results = await improver.play_spec(record.spec, served, HELD_OUT_SEEDS[: config.eval_seeds])
+    hardest = levels(record.spec)[0][-1]
+    results = await improver.play_spec(hardest, served, HELD_OUT_SEEDS[: config.eval_seeds])
     success = sum(reward_succeeds(r.reward.total) for r in results) / len(results)
     screened = Screened(
         served=served,
