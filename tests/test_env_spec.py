@@ -300,7 +300,7 @@ def test_adjust_has_a_last_step():
     steps = 0
     while (spec := adjust(spec, 0.0)) is not None:
         steps += 1
-    assert 0 < steps < 8  # the ladder ends: easing knobs, then templates halved down to one kind
+    assert 0 < steps < 8  # the ladder ends: easing knobs, then templates halved down to one a kind
     assert (
         adjust(synthesize("tool_call_format", TOOLS, system_prompt=POLICY), 0.95).difficulty.distractor_rows
         == 4
@@ -318,7 +318,9 @@ def test_easing_multi_step_completion_ends_at_single_calls_stated_in_full_with_p
     steps = _ladder(synthesize("multi_step_completion", TOOLS, system_prompt=POLICY))
     single = next(s for s in steps if s.difficulty.single_step)
     assert single.difficulty.name_tools and not any(c.kind == "arguments" for c in single.checks)
-    assert any(c.kind == "arguments" for c in steps[-1].checks) and len(steps[-1].tasks) == 1
+    last = steps[-1]
+    assert any(c.kind == "arguments" for c in last.checks)
+    assert len(last.tasks) == len({t.kind for t in last.tasks})  # one template a kind
     for spec in steps:  # each step still passes validation: doing nothing and random calls fail
         assert check_policies(spec, range(40)).passed
     env = SpecEnv(single)
@@ -366,6 +368,19 @@ def test_easing_keeps_the_writes_of_an_environment_whose_tickets_write(capabilit
     spec = synthesize(capability, TOOLS, system_prompt=POLICY)
     for step in _ladder(spec) if writing(spec) else ():
         assert writing(step), f"{capability}: an easing step left no ticket that writes"
+
+
+def test_easing_halves_the_phrasings_of_each_kind_and_never_drops_a_kind_of_write():
+    """Halving the templates across kinds left a writes environment with two cancellations
+    (a headline's cycle 2): the live expert solved it, and the target's returns, exchanges
+    and modifications, still failing, were never taught."""
+    spec = synthesize("write_completion", TOOLS, system_prompt=POLICY)
+    # Four phrasings a kind.
+    phrased = spec.model_copy(update={"tasks": [t for t in spec.tasks for _ in range(4)]})
+    kinds = sorted({t.kind for t in spec.tasks})
+    steps = _ladder(phrased)
+    assert [sorted({t.kind for t in step.tasks}) for step in steps] == [kinds] * len(steps)
+    assert len(steps[-1].tasks) == len(kinds) < len(phrased.tasks)  # down to one template a kind
 
 
 def test_a_read_tool_that_needs_more_than_its_key_is_not_bound_as_a_lookup():

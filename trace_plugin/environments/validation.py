@@ -23,7 +23,7 @@ from typing import Any
 from trace_plugin.environments.base import ToolCall
 from trace_plugin.environments.interpreter import SpecEnv
 from trace_plugin.mining.kinds import KINDS
-from trace_plugin.records.env_spec import WRITES, Check, EnvSpec
+from trace_plugin.records.env_spec import WRITES, Check, EnvSpec, TaskTemplate
 from trace_plugin.records.outcome import reward_succeeds
 
 VALIDATION_SEEDS = range(1_000_000, 1_000_100)  # disjoint from training and calibration seeds
@@ -277,17 +277,24 @@ def _easier(spec: EnvSpec) -> Iterator[EnvSpec]:
         yield spec.model_copy(update={"difficulty": difficulty.model_copy(update={"single_step": True})})
     if all(c.kind != "arguments" for c in spec.checks):
         yield spec.model_copy(update={"checks": [*spec.checks, Check(kind="arguments")]})
-    # Keep the templates with the shortest reference, then half of them. Where some tickets
-    # write, only writing ones are kept: the write is what such an environment teaches, and
-    # the shortest tickets (a lookup) would ease it into another capability. Templates whose
-    # right answer is no call stay: they are a minority by design, not an easier task.
+    # Fewer templates, never fewer kinds of task: each kind keeps its templates with the
+    # shortest reference, then half of its phrasings, down to one template a kind. Where
+    # some tickets write, only writing ones are kept: the write is what such an environment
+    # teaches, and the shortest tickets (a lookup) would ease it into another capability.
+    # Halving across kinds once left a writes environment with cancellations alone, which
+    # the live expert already solved, while the target's returns and exchanges still
+    # failed. Templates whose right answer is no call stay: they are a minority by design.
     writes = {t.name for t in spec.tools if t.behaviour in WRITES}
     acting = [t for t in spec.tasks if t.reference]
     idle = [t for t in spec.tasks if not t.reference]
     kept = [t for t in acting if any(a.tool in writes for a in t.reference)] or acting
-    if len(acting) > 1:
-        shortest = min(len(t.reference) for t in kept)
-        easier = [t for t in kept if len(t.reference) == shortest]
-        if len(easier) == len(acting):
-            easier = acting[: max(1, len(acting) // 2)]
-        yield spec.model_copy(update={"tasks": easier + idle})
+    by_kind: dict[str, list[TaskTemplate]] = {}
+    for template in kept:
+        by_kind.setdefault(template.kind, []).append(template)
+    shortest = [
+        t for ts in by_kind.values() for t in ts if len(t.reference) == min(len(u.reference) for u in ts)
+    ]
+    if len(shortest) == len(acting):
+        shortest = [t for ts in by_kind.values() for t in ts[: max(1, len(ts) // 2)]]
+    if len(shortest) < len(acting):
+        yield spec.model_copy(update={"tasks": shortest + idle})
