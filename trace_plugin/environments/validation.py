@@ -277,24 +277,23 @@ def _easier(spec: EnvSpec) -> Iterator[EnvSpec]:
         yield spec.model_copy(update={"difficulty": difficulty.model_copy(update={"single_step": True})})
     if all(c.kind != "arguments" for c in spec.checks):
         yield spec.model_copy(update={"checks": [*spec.checks, Check(kind="arguments")]})
-    # Fewer templates, never fewer kinds of task: each kind keeps its templates with the
-    # shortest reference, then half of its phrasings, down to one template a kind. Where
-    # some tickets write, only writing ones are kept: the write is what such an environment
-    # teaches, and the shortest tickets (a lookup) would ease it into another capability.
-    # Halving across kinds once left a writes environment with cancellations alone, which
-    # the live expert already solved, while the target's returns and exchanges still
-    # failed. Templates whose right answer is no call stay: they are a minority by design.
+    # Fewer templates: the shortest, then half of them. Where some tickets write, only
+    # writing ones are kept, and every kind of write stays (each keeps its shortest, then
+    # half its phrasings, down to one template a kind): the writes are what such an
+    # environment teaches. Halving across kinds once left a writes environment with
+    # cancellations alone, which the live expert already solved, while the target's returns
+    # and exchanges still failed; and the shortest tickets (a lookup) would ease it into
+    # another capability. Templates whose right answer is no call stay: a minority by design.
     writes = {t.name for t in spec.tools if t.behaviour in WRITES}
     acting = [t for t in spec.tasks if t.reference]
     idle = [t for t in spec.tasks if not t.reference]
-    kept = [t for t in acting if any(a.tool in writes for a in t.reference)] or acting
-    by_kind: dict[str, list[TaskTemplate]] = {}
-    for template in kept:
-        by_kind.setdefault(template.kind, []).append(template)
-    shortest = [
-        t for ts in by_kind.values() for t in ts if len(t.reference) == min(len(u.reference) for u in ts)
-    ]
-    if len(shortest) == len(acting):
-        shortest = [t for ts in by_kind.values() for t in ts[: max(1, len(ts) // 2)]]
-    if len(shortest) < len(acting):
-        yield spec.model_copy(update={"tasks": shortest + idle})
+    groups: dict[str, list[TaskTemplate]] = {}
+    for template in acting:
+        if any(a.tool in writes for a in template.reference):
+            groups.setdefault(template.kind, []).append(template)
+    kinds = list(groups.values()) or [acting]  # without writes, one group: kinds may go
+    easier = [t for ts in kinds for t in ts if len(t.reference) == min(len(u.reference) for u in ts)]
+    if len(easier) == len(acting):
+        easier = [t for ts in kinds for t in ts[: max(1, len(ts) // 2)]]
+    if len(easier) < len(acting):
+        yield spec.model_copy(update={"tasks": easier + idle})
