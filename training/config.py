@@ -78,8 +78,8 @@ class ExpertTrainingConfig:
     # what the agent already does right.
     rehearsal_share: float = 0.25
     # Two passes, though the loss is low after one: with one (2026-12-07) the quick preset's
-    # writes expert scored 0.11 on its held-out seeds, against 0.99 with two, and its GRPO
-    # found no success at its level (no informative group, against half with two).
+    # writes expert scored 0.11 on its held-out seeds (0.99 in the last quick demo with two)
+    # and its GRPO found no success at its level (no informative group; half with two).
     warm_start_epochs: int = 2
     warm_start_batch_size: int = 4
     warm_start_learning_rate: float = 5e-4
