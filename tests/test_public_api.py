@@ -99,7 +99,7 @@ def test_a_rejected_cycle_names_its_experts_and_candidate_router(sqlite_url, tmp
     async def routed(experts: dict[str, str]) -> Routing:
         return Routing(router)
 
-    async def evaluated(improver, cycle, experts, routing, screened) -> Evaluation:  # no better than the base
+    async def evaluated(improver, cycle, experts, routing) -> Evaluation:  # no better than the base
         return Evaluation({"fmt": "fmt@e1"}, routing.router, {"fmt": Scores(0.5, 0.5, 0.5)})
 
     monkeypatch.setattr(improver, "route", routed)
