@@ -126,8 +126,8 @@ async def screen(improver: CycleContext, env: Synthesized) -> Screened:
     level: trained only if it still fails there (success below ``retrain_below``). Selection
     reads the base model's failures in old traffic; this asks whether they are still the
     agent's. Not at the calibrated level: calibration eases it for the base model, and a
-    headline's live expert solved every writes ticket that named its tools and asked one
-    call, and so skipped the writes the target still failed."""
+    headline's live expert solved every eased writes ticket (two cancellations, their tools
+    named), and so skipped the writes the target still failed."""
     config = improver.config
     record = improver.store.env_spec(env.env, env.version)
     if record is None:
