@@ -366,7 +366,7 @@ def env_process(db: str, idle_timeout: float, max_sessions: int):
 
 
 async def test_abandoned_sessions_expire_and_the_servers_memory_stays_flat(tmp_path):
-    rounds, per_round = 2, 150
+    rounds, per_round = 3, 150
 
     async def abandon(url: str, seeds: range) -> list[str]:
         """Opens a session per seed, starts an episode in it and leaves without ending it."""
@@ -413,8 +413,12 @@ async def test_abandoned_sessions_expire_and_the_servers_memory_stays_flat(tmp_p
                 rss.append(psutil.Process(pid).memory_info().rss)
             growth[idle_timeout] = rss[-1] - rss[0]
         recorder.close()
-    # Kept, each session holds about 0.1 MB; expired, the next round reuses what the last one freed.
-    assert growth[3600.0] > per_round * 50_000
+    # Kept, each session holds about 0.1 MB; expired, the next rounds reuse what the last one
+    # freed. Growth is counted from the first round's end, the allocator's arenas grown: over
+    # one round only, CI once measured 4.6 MB expired against 16.9 MB kept, the allocator's
+    # noise beside one round's sessions. Over two rounds a leak of a quarter of a session's
+    # memory still fails.
+    assert growth[3600.0] > (rounds - 1) * per_round * 50_000
     assert growth[expires] < growth[3600.0] / 4
 
 
