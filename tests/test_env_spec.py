@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, get_args
 
 import pytest
@@ -690,11 +691,53 @@ def test_tickets_are_also_worded_as_the_targets_users_word_them(sqlite_url, monk
     store.close()
 
 
+def test_a_lookup_is_also_worded_as_users_ask_it_who_they_are_included_and_never_as_a_change(
+    sqlite_url,
+):
+    """The headline's lookups environment asked "What is the status of order …?", where the
+    target's users ask "What is the status of my order …? My email is …": its router corpus
+    lay far from them, and all six reported lookups went to the writes expert. A captured
+    wording that states a ticket's values and who the user is fits it too (the identity
+    drawn from a row of its own); one that names a change ("I want to return …") does not."""
+    from trace_plugin.environments import planted
+    from trace_plugin.environments.retail import TRAIN_SEEDS
+    from trace_plugin.environments.synthesis import CapturedInterface
+
+    store = Store(sqlite_url)
+    store.upgrade()
+    episodes = planted.corpus(list(TRAIN_SEEDS)[:48], ("competent",))
+    store.write([r for e in episodes for r in (e, *e.steps)])
+    captured = CapturedInterface.from_store(store, episodes[0].agent)
+    spec = synthesize("communicating_facts", TOOLS, system_prompt=POLICY, observations=captured.observations)
+    prompts = {t.prompt for t in spec.tasks if t.kind == "lookup_order"}
+    assert {
+        "What is the status of my order {x.order_id}? My email is {p0.email}.",
+        "What is the status of my order {x.order_id}? I'm {p0.first_name} {p0.last_name}, zip {p0.zip}.",
+    } <= prompts
+    assert not [p for p in prompts if re.search(r"\b(return|cancel|exchange|modify)", p, re.I)], prompts
+    env, identified = SpecEnv(spec), 0
+    for seed in range(32):
+        task = env.reset(seed)
+        assert task.metadata["satisfiable"], task.metadata["reference_errors"]
+        if "My email is " in task.prompt:
+            identified += 1
+            email = task.prompt.split("My email is ")[1].rstrip(".")
+            assert email in {row["email"] for row in env.rows["user"].values()}  # a user of its world
+        for action in task.metadata["reference"]:
+            assert "error" not in json.loads(env.step(ToolCall(action["name"], action["arguments"])))
+        assert env.reward(" ".join(task.metadata["facts"])).total == 1.0
+    assert identified
+    # The writes keep their own wordings: a cancellation is worded as users ask for one.
+    writes = synthesize("write_completion", TOOLS, system_prompt=POLICY, observations=captured.observations)
+    for template in writes.tasks:
+        assert template.kind.split("_")[0] in template.prompt.lower() or "ship" in template.prompt
+    store.close()
+
+
 def test_emails_come_from_the_requests_where_the_agents_calls_show_none(sqlite_url, monkeypatch):
     """The quick demo's agent never found a user by email, so the environment made emails
     up ("mia.novak@example.com"), and its expert read the target's "noah.okafor37@…" as a
     first and a last name. Users state their emails in their requests: those are the pool."""
-    import re
 
     from trace_plugin.environments import planted
     from trace_plugin.environments.retail import TRAIN_SEEDS

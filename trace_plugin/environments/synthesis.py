@@ -32,10 +32,12 @@ from trace_plugin.mining.kinds import KINDS, FamilyName
 from trace_plugin.records.env_spec import (
     MAX_TEMPLATES,
     MAX_TEXT,
+    WRITES,
     Action,
     Check,
     Column,
     EnvSpec,
+    Slot,
     SpecError,
     Table,
     TaskTemplate,
@@ -365,15 +367,20 @@ def synthesize(
     if not tasks:  # tools that follow none of the conventions the family reads: the calls themselves
         tasks, checks, bound = requests(tools, interface.param_column, interface.observations.phrasings)
     else:
-        tasks = as_users_ask(tasks, interface.observations.requests, vocabulary(interface.tables.values()))
+        words = vocabulary(interface.tables.values())
+        writes = [t.name for t in interface.bindings.values() if t.behaviour in WRITES]
+        tasks = as_users_ask(
+            tasks, interface.observations.requests, words, identities=_identities(interface), writes=writes
+        )
     if not tasks:
         raise SpecError(f"the target's tools offer nothing to exercise {capability!r} with")
+    sampled = [*(t.table for t in bound if t.table), *(s.table for t in tasks for s in t.slots.values())]
     spec = EnvSpec(
         name=f"{capability}-env",
         capability=capability,
         description=description,
         system_prompt=system_prompt,
-        tables={t.table: interface.tables[t.table] for t in bound if t.table},
+        tables={table: interface.tables[table] for table in dict.fromkeys(sampled)},
         tools=bound,
         tasks=tasks,
         checks=checks,
@@ -433,17 +440,36 @@ def ticket_phrasing(request: str, words: Vocabulary) -> str:
 _PLACEHOLDER = re.compile(r"\{([\w.]+)\}")
 
 
+Identity = tuple[str, frozenset[str]]  # a table, and the columns a user is found by in it
+
+
 def as_users_ask(
-    tasks: list[TaskTemplate], requests: Sequence[str], words: Vocabulary, most: int = 3
+    tasks: list[TaskTemplate],
+    requests: Sequence[str],
+    words: Vocabulary,
+    most: int = 3,
+    identities: Sequence[Identity] = (),
+    writes: Iterable[str] = (),
 ) -> list[TaskTemplate]:
     """``tasks``, each also worded as the target's users worded such a request: a captured
     request whose stated values are exactly the values the ticket states (an order, a
-    reason, a name and a zip), those values drawn anew. Up to ``most`` wordings a ticket,
-    the commonest, beside its own, sharing its weight; a wording that fits tickets acting
-    on two tools is ambiguous and used for neither. An expert taught "Please cancel my
-    order ... My first name is ..." skipped the search on the target's "I'm Kenji Lopez,
-    zip 78701". A request past half a ticket's length limit is not a wording."""
+    reason, a name and a zip), those values drawn anew, or those values and one of the
+    ``identities`` besides (users say who they are even where the ticket needs no search:
+    "What is the status of my order …? My email is …"), drawn from a row of its own. A
+    wording that names a change (the verb of one of the ``writes`` tools: "I want to return
+    …") fits only a ticket that makes or refuses that change. Up to ``most`` wordings a
+    ticket, the commonest, beside its own, sharing its weight; a wording that fits tickets
+    acting on two tools is ambiguous and used for neither. An expert
+    taught "Please cancel my order ... My first name is ..." skipped the search on the
+    target's "I'm Kenji Lopez, zip 78701"; a lookups expert taught "What is the status of
+    order …?" drew none of the target's lookups to it. A request past half a ticket's length
+    limit is not a wording."""
     wordings = Counter(ticket_phrasing(r, words) for r in requests if len(r) <= MAX_TEXT // 2)
+    changes = {name_words(w)[0] for w in writes if name_words(w)}
+
+    def asked(text: str) -> set[str]:
+        """The changes a request names, by their tools' verbs ("cancel" in "cancellation")."""
+        return {v for v in changes if re.search(rf"\b{re.escape(v)}", text, re.IGNORECASE)}
 
     def stated(template: TaskTemplate) -> dict[str, str] | None:
         """The template's placeholders by column name (None: a name placed twice)."""
@@ -451,18 +477,34 @@ def as_users_ask(
         names = {f.split(".")[-1]: f for f in full}
         return names if len(names) == len(set(full)) else None
 
+    def fit(template: TaskTemplate, wording: str) -> tuple[dict[str, str], dict[str, Slot]] | None:
+        """Where each value ``wording`` states goes in ``template`` (and the row a stated
+        identity needs), or None where it does not fit."""
+        names, placed = set(_PLACEHOLDER.findall(wording)), stated(template)
+        if not names or placed is None or not set(placed) <= names:
+            return None
+        made = {
+            w
+            for tool in [*(a.tool for a in template.reference), *template.forbidden]
+            for w in name_words(tool)
+        }
+        if not asked(wording) <= made:
+            return None
+        if names == set(placed):
+            return placed, {}
+        slot = next(f"p{i}" for i in range(len(template.slots) + 1) if f"p{i}" not in template.slots)
+        for table, columns in identities:
+            if names - set(placed) == columns:
+                return {**placed, **{c: f"{slot}.{c}" for c in columns}}, {slot: Slot(table=table)}
+        return None
+
     fits: dict[str, set[str]] = {}
     for wording in wordings:
-        names = set(_PLACEHOLDER.findall(wording))
         for template in tasks:
-            if names and (placed := stated(template)) is not None and names == set(placed):
+            if fit(template, wording) is not None:
                 fits.setdefault(wording, set()).add(template.kind.removeprefix("refuse_"))
     own = [
-        [
-            w
-            for w, _ in wordings.most_common()
-            if len(fits.get(w, ())) == 1 and set(_PLACEHOLDER.findall(w)) == set(stated(t) or {})
-        ][:most]
+        [w for w, _ in wordings.most_common() if len(fits.get(w, ())) == 1 and fit(t, w) is not None][:most]
         for t in tasks
     ]
     # The commonest wording of every ticket first, then the next: as many as a spec holds.
@@ -474,11 +516,13 @@ def as_users_ask(
                 room -= 1
     worded: list[TaskTemplate] = []
     for template, picked in zip(tasks, chosen, strict=True):
-        placed, weight = stated(template) or {}, template.weight / (len(picked) + 1)
+        weight = template.weight / (len(picked) + 1)
         worded.append(template.model_copy(update={"weight": weight}))
         for wording in picked:
+            placed, rows = fit(template, wording) or ({}, {})
             prompt = _PLACEHOLDER.sub(lambda m, placed=placed: "{" + placed[m[1]] + "}", wording)
-            worded.append(template.model_copy(update={"weight": weight, "prompt": prompt}))
+            slots = {**template.slots, **rows}
+            worded.append(template.model_copy(update={"weight": weight, "prompt": prompt, "slots": slots}))
     return worded
 
 
@@ -706,10 +750,8 @@ def _prerequisites(interface: Interface, writer: ToolSpec) -> list[Way] | None:
     """The ways a ticket can give what ``writer`` requires before it: each the calls, the
     rows they need (slots ``p0``, ``p1``...) and what the ticket says so that the agent can
     make them ("My email is ..."), as users identify themselves; None where a required tool
-    is neither a search nor a lookup. A search by several fields is made either by its first
-    alone or by the others together ("first name, last name, zip"), as the target's users
-    identify themselves either way: an expert that only ever saw emails skipped the search
-    on every ticket that gave a name."""
+    is neither a search nor a lookup. A search is made each of its ways (``_search_ways``):
+    an expert that only ever saw emails skipped the search on every ticket that gave a name."""
     ways: list[Way] = [([], {}, "")]
     for i, name in enumerate(writer.requires):
         tool, slot = interface.bindings[name], f"p{i}"
@@ -718,8 +760,7 @@ def _prerequisites(interface: Interface, writer: ToolSpec) -> list[Way] | None:
             # here had tickets name a second order ("My order id is ...") for no reason.
             continue
         if tool.behaviour == "list" and tool.table:
-            fields = list(tool.filters.items())
-            options = [fields[:1], fields[1:]] if len(fields) >= 3 else [fields[:1]]
+            options = _search_ways(tool)
         elif tool.behaviour == "lookup" and tool.table and tool.key:
             options = [[(tool.key, interface.tables[tool.table].key)]]
         else:
@@ -734,6 +775,24 @@ def _prerequisites(interface: Interface, writer: ToolSpec) -> list[Way] | None:
             for option in options
         ]
     return ways
+
+
+def _search_ways(search: ToolSpec) -> list[list[tuple[str, str]]]:
+    """The ways a search by several fields is made: by its first alone, or by the others
+    together ("first name, last name, zip"), as the target's users identify themselves
+    either way; each way its (argument, column) pairs."""
+    fields = list(search.filters.items())
+    return [fields[:1], fields[1:]] if len(fields) >= 3 else [fields[:1]]
+
+
+def _identities(interface: Interface) -> list[Identity]:
+    """Every way a user says who they are: the columns of one way of one search."""
+    return [
+        (tool.table, frozenset(c for _, c in way))
+        for tool in interface.bindings.values()
+        if tool.behaviour == "list" and tool.table
+        for way in _search_ways(tool)
+    ]
 
 
 def _identify(slot: str, columns: list[str]) -> str:
