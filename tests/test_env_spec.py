@@ -698,7 +698,9 @@ def test_a_lookup_is_also_worded_as_users_ask_it_who_they_are_included_and_never
     target's users ask "What is the status of my order …? My email is …": its router corpus
     lay far from them, and all six reported lookups went to the writes expert. A captured
     wording that states a ticket's values and who the user is fits it too (the identity
-    drawn from a row of its own); one that names a change ("I want to return …") does not."""
+    drawn from a row of its own); one that names a change ("I want to return …") does not.
+    Calibration's easing once cut it back to "What is the status of order …?": the users'
+    wordings now come first, and easing keeps the first."""
     from trace_plugin.environments import planted
     from trace_plugin.environments.retail import TRAIN_SEEDS
     from trace_plugin.environments.synthesis import CapturedInterface
@@ -727,6 +729,11 @@ def test_a_lookup_is_also_worded_as_users_ask_it_who_they_are_included_and_never
             assert "error" not in json.loads(env.step(ToolCall(action["name"], action["arguments"])))
         assert env.reward(" ".join(task.metadata["facts"])).total == 1.0
     assert identified
+    # Easing keeps how users ask: down to one template, a lookup that says who is asking.
+    steps = _ladder(spec)
+    assert len(steps[-1].tasks) == 1 < len(spec.tasks)
+    for step in steps:
+        assert any(t.kind == "lookup_order" and "{p0." in t.prompt for t in step.tasks), step.tasks
     # The writes keep their own wordings: a cancellation is worded as users ask for one.
     writes = synthesize("write_completion", TOOLS, system_prompt=POLICY, observations=captured.observations)
     for template in writes.tasks:
@@ -785,8 +792,8 @@ def test_a_request_is_worded_with_the_longest_value_first():
     assert [t.prompt for t in as_users_ask([template], [hostile], words)] == ["Close {x.user_id}."]
     worded = as_users_ask([template], [fitting, hostile], words)
     assert [(t.prompt, t.weight) for t in worded] == [
+        ("Please close {x.user_id}.", 0.5),  # the users' wording first: easing keeps it
         ("Close {x.user_id}.", 0.5),
-        ("Please close {x.user_id}.", 0.5),
     ]
 
 

@@ -458,12 +458,12 @@ def as_users_ask(
     "What is the status of my order …? My email is …"), drawn from a row of its own. A
     wording that names a change (the verb of one of the ``writes`` tools: "I want to return
     …") fits only a ticket that makes or refuses that change. Up to ``most`` wordings a
-    ticket, the commonest, beside its own, sharing its weight; a wording that fits tickets
-    acting on two tools is ambiguous and used for neither. An expert
-    taught "Please cancel my order ... My first name is ..." skipped the search on the
-    target's "I'm Kenji Lopez, zip 78701"; a lookups expert taught "What is the status of
-    order …?" drew none of the target's lookups to it. A request past half a ticket's length
-    limit is not a wording."""
+    ticket, the commonest first and its own after them, sharing its weight, and the tickets
+    users asked for before the others; a wording that fits tickets acting on two tools is
+    ambiguous and used for neither. An expert taught "Please cancel my order ... My first
+    name is ..." skipped the search on the target's "I'm Kenji Lopez, zip 78701"; a lookups
+    expert taught "What is the status of order …?" drew none of the target's lookups to it.
+    A request past half a ticket's length limit is not a wording."""
     wordings = Counter(ticket_phrasing(r, words) for r in requests if len(r) <= MAX_TEXT // 2)
     changes = {name_words(w)[0] for w in writes if name_words(w)}
 
@@ -515,14 +515,15 @@ def as_users_ask(
                 chosen[i].append(wordings_of[rank])
                 room -= 1
     worded: list[TaskTemplate] = []
-    for template, picked in zip(tasks, chosen, strict=True):
+    # The tickets users asked for first: easing keeps the first of them where it drops some.
+    for template, picked in sorted(zip(tasks, chosen, strict=True), key=lambda pair: not pair[1]):
         weight = template.weight / (len(picked) + 1)
-        worded.append(template.model_copy(update={"weight": weight}))
         for wording in picked:
             placed, rows = fit(template, wording) or ({}, {})
             prompt = _PLACEHOLDER.sub(lambda m, placed=placed: "{" + placed[m[1]] + "}", wording)
             slots = {**template.slots, **rows}
             worded.append(template.model_copy(update={"weight": weight, "prompt": prompt, "slots": slots}))
+        worded.append(template.model_copy(update={"weight": weight}))  # after the users' (easing keeps those)
     return worded
 
 
