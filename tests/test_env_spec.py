@@ -384,6 +384,27 @@ def test_easing_halves_the_phrasings_of_each_kind_and_never_drops_a_kind_of_writ
     assert len(steps[-1].tasks) == len(kinds) < len(phrased.tasks)  # down to one template a kind
 
 
+def test_easing_keeps_every_way_a_ticket_identifies_its_user():
+    """Halving a kind's phrasings left a headline's writes environment identifying users by
+    email alone (five templates, each "My email is ..."), and its expert, 0.87 on that
+    environment, invented an email for every target user who gave a name and a zip."""
+    from trace_plugin.environments.synthesis import Precondition
+
+    needs = Precondition(("find_user", "get_order"), "identify the user before changing an order")
+    observations = Observations(preconditions={"cancel_order": needs})
+    spec = synthesize("write_completion", TOOLS, system_prompt=POLICY, observations=observations)
+    phrased = spec.model_copy(update={"tasks": [t for t in spec.tasks for _ in range(2)]})
+
+    def ways(step: EnvSpec) -> set[tuple[str, tuple[str, ...]]]:
+        return {(t.kind, tuple(sorted(t.reference[0].arguments))) for t in step.tasks}
+
+    assert {w for _, w in ways(spec)} == {("email",), ("first_name", "last_name", "zip")}
+    steps = _ladder(phrased)
+    assert len(steps[-1].tasks) < len(phrased.tasks)
+    for step in steps:
+        assert ways(step) == ways(spec)
+
+
 def test_a_read_tool_that_needs_more_than_its_key_is_not_bound_as_a_lookup():
     """A lookup passes only the key: bound as one, ``get_ticket(ticket_id, details)`` would be
     called without ``details`` by the spec's own reference, and the spec rejected."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -264,6 +264,16 @@ def adjust(spec: EnvSpec, mean: float, band: Band = DEFAULT_BAND) -> EnvSpec | N
     return next((s for s in _easier(spec) if check_policies(s).passed), None)
 
 
+def _grouped(
+    templates: list[TaskTemplate], key: Callable[[TaskTemplate], Hashable]
+) -> dict[Hashable, list[TaskTemplate]]:
+    """``templates`` by ``key``, each group in their order."""
+    groups: dict[Hashable, list[TaskTemplate]] = {}
+    for template in templates:
+        groups.setdefault(key(template), []).append(template)
+    return groups
+
+
 def _easier(spec: EnvSpec) -> Iterator[EnvSpec]:
     """The easing ladder's steps that change ``spec``, in order."""
     difficulty = spec.difficulty
@@ -278,22 +288,25 @@ def _easier(spec: EnvSpec) -> Iterator[EnvSpec]:
     if all(c.kind != "arguments" for c in spec.checks):
         yield spec.model_copy(update={"checks": [*spec.checks, Check(kind="arguments")]})
     # Fewer templates: the shortest, then half of them. Where some tickets write, only
-    # writing ones are kept, and every kind of write stays (each keeps its shortest, then
-    # half its phrasings, down to one template a kind): the writes are what such an
-    # environment teaches. Halving across kinds once left a writes environment with
-    # cancellations alone, which the live expert already solved, while the target's returns
-    # and exchanges still failed; and the shortest tickets (a lookup) would ease it into
-    # another capability. Templates whose right answer is no call stay: a minority by design.
+    # writing ones are kept, and every kind of write stays, made every way its tickets make
+    # it (each keeps its shortest, then half its phrasings, down to one template a kind and
+    # way): the writes are what such an environment teaches. Halving across kinds once left
+    # a writes environment with cancellations alone, which the live expert already solved,
+    # while the target's returns and exchanges still failed; halving a kind's phrasings
+    # left its tickets identifying users by email alone, and the expert invented an email
+    # for every target user who gave a name and a zip. The shortest tickets (a lookup)
+    # would ease it into another capability. Templates whose right answer is no call stay:
+    # a minority by design.
     writes = {t.name for t in spec.tools if t.behaviour in WRITES}
     acting = [t for t in spec.tasks if t.reference]
     idle = [t for t in spec.tasks if not t.reference]
-    groups: dict[str, list[TaskTemplate]] = {}
-    for template in acting:
-        if any(a.tool in writes for a in template.reference):
-            groups.setdefault(template.kind, []).append(template)
-    kinds = list(groups.values()) or [acting]  # without writes, one group: kinds may go
+    writing = [t for t in acting if any(a.tool in writes for a in t.reference)]
+    kinds = list(_grouped(writing, lambda t: t.kind).values()) or [acting]  # no writes: kinds may go
     easier = [t for ts in kinds for t in ts if len(t.reference) == min(len(u.reference) for u in ts)]
-    if len(easier) == len(acting):
-        easier = [t for ts in kinds for t in ts[: max(1, len(ts) // 2)]]
+    if len(easier) == len(acting) and writing:
+        ways = _grouped(writing, lambda t: (t.kind, *(f"{a.tool}{sorted(a.arguments)}" for a in t.reference)))
+        easier = [t for ts in ways.values() for t in ts[: max(1, len(ts) // 2)]]
+    elif len(easier) == len(acting):
+        easier = acting[: max(1, len(acting) // 2)]
     if len(easier) < len(acting):
         yield spec.model_copy(update={"tasks": easier + idle})
