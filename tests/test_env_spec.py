@@ -9,6 +9,7 @@ from typing import Any, get_args
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from trace_plugin.environments.base import ToolCall
 from trace_plugin.environments.interpreter import SpecEnv
@@ -24,6 +25,7 @@ from trace_plugin.records.env_spec import (
     SpecError,
     Table,
     TaskTemplate,
+    ToolSpec,
     check_spec,
     parse_spec,
 )
@@ -659,6 +661,61 @@ def test_preconditions_are_learned_on_a_target_shape_that_is_not_retail():
         Trajectory("convert 3 km", [Call("convert_units", {"value": 3, "unit": "km"}, '{"result": 1.86}')])
     ]
     assert observed_preconditions(calls * 3, "Use the tools.") == {}
+
+
+def test_the_environment_answers_as_the_target_answers(sqlite_url, monkeypatch):
+    """The headline's writes expert learned an environment whose ``find_user`` answered a
+    list of ids and whose ``get_order`` a flat row; on the target, which answers one user id
+    and an order with its address nested, it looped ``find_user``, ``get_order`` until its
+    turns ran out. The environment now lays its answers out as the target's traffic shows
+    them, and a write leaves the status word the target uses ("cancelled")."""
+    from trace_plugin.environments import planted
+    from trace_plugin.environments.retail import TRAIN_SEEDS
+    from trace_plugin.environments.synthesis import CapturedInterface
+
+    def skips_identity(task, env):  # refused: the traffic then shows the search is required
+        calls, texts, answer = planted._competent(task, env)
+        return [c for c in calls if c["name"] != "find_user"], texts, answer
+
+    monkeypatch.setitem(planted.POLICIES, "skips_identity", skips_identity)
+    store = Store(sqlite_url)
+    store.upgrade()
+    episodes = planted.corpus(list(TRAIN_SEEDS)[:48], ("skips_identity", "competent"))
+    store.write([r for e in episodes for r in (e, *e.steps)])
+    observations = CapturedInterface.from_store(store, episodes[0].agent).observations
+    assert observations.shapes["find_user"] == ""
+    address = {"address1": "address1", "city": "city", "zip": "zip"}
+    assert observations.shapes["get_order"]["address"] == address
+    spec = synthesize("write_completion", TOOLS, system_prompt=POLICY, observations=observations)
+    env, seen = SpecEnv(spec), set()
+    for seed in range(16):
+        task = env.reset(seed)
+        for action in task.metadata["reference"]:
+            answer = json.loads(env.step(ToolCall(action["name"], action["arguments"])))
+            seen.add(action["name"])
+            if action["name"] == "find_user":
+                assert answer in env.rows["user"]  # one user id, as the target answers
+            if action["name"] == "get_order":
+                assert list(answer)[:3] == ["order_id", "status", "address"], answer
+                assert set(answer["address"]) == {"address1", "city", "zip"}
+            if action["name"] == "cancel_order":
+                assert answer == {"order_id": action["arguments"]["order_id"], "status": "cancelled"}
+        assert env.reward("done").total == 1.0
+    assert {"find_user", "get_order", "cancel_order"} <= seen
+    # A shape is data the interpreter lays out, never more: a hostile one is refused.
+    deep: Any = "status"
+    for _ in range(6):
+        deep = {"a": deep}
+    get_order = spec.tool("get_order").model_dump(by_alias=True)
+    with pytest.raises(ValidationError, match="deep"):
+        ToolSpec.model_validate({**get_order, "returns": deep})
+    with pytest.raises(ValidationError, match="column names"):
+        ToolSpec.model_validate({**get_order, "returns": {"a": 3}})
+    find_user = spec.tool("find_user").model_copy(update={"returns": "nope"})
+    tools = [find_user if t.name == "find_user" else t for t in spec.tools]
+    with pytest.raises(SpecError, match="answers one column"):
+        check_spec(spec.model_copy(update={"tools": tools}))
+    store.close()
 
 
 def test_tickets_are_also_worded_as_the_targets_users_word_them(sqlite_url, monkeypatch):

@@ -17,7 +17,7 @@ import itertools
 import json
 import random
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from trace_plugin.chat_template import assistant_text
@@ -205,13 +205,14 @@ class SpecEnv:
             if row is None:
                 raise ToolError(f"{table_name} {key} not found")
             if tool.behaviour == "lookup":
-                return row
+                return row if tool.returns is None else shaped(tool.returns, row, rest=True)
             for column, allowed in tool.guard.items():
                 if row[column] not in allowed:
                     raise ToolError(f"{table_name} {key} is {row[column]}; this needs {' or '.join(allowed)}")
             changed = {column: _value(value, arguments) for column, value in tool.sets.items()}
             row.update(changed)
-            return {key_column: key, **changed}
+            laid = shaped(tool.returns, row) if tool.returns is not None else {}
+            return laid or {key_column: key, **changed}
         if tool.behaviour == "create":
             self._creates += 1
             rng = random.Random(f"{self.digest()}:{self._creates}")
@@ -227,6 +228,8 @@ class SpecEnv:
                 raise ToolError(f"give one of {sorted(tool.filters)}")
             if not matches:
                 raise ToolError(f"no {table_name} matches")
+            if isinstance(tool.returns, str):  # the target answers its one match
+                return matches[0][tool.returns]
             return [row[key_column] for row in matches]
         if tool.op == "count":  # compute
             return len(matches)
@@ -396,6 +399,35 @@ def argument_credit(made: dict[str, Any], wanted: dict[str, Any]) -> float:
         return 1.0
     right = sum(n in made and n in wanted and _normal(made[n]) == _normal(wanted[n]) for n in names)
     return right / len(names)
+
+
+def shaped(shape: Any, row: dict[str, Any], *, rest: bool = False) -> dict[str, Any]:
+    """``row`` laid out as the target lays out its answers: each string of ``shape`` is the
+    value of the column it names, and what the row lacks is left out (a list holds the one
+    item its skeleton describes). With ``rest``, the columns the shape does not place follow,
+    so that a lookup still shows every fact a ticket may ask for."""
+
+    def fill(part: Any) -> Any:
+        if isinstance(part, str):
+            return row.get(part)
+        if isinstance(part, dict):
+            filled = {key: fill(inner) for key, inner in part.items()}
+            return {key: value for key, value in filled.items() if value not in (None, {}, [])}
+        return [item for item in map(fill, part) if item not in (None, {}, [])]
+
+    laid = fill(shape)
+    if rest:
+        placed = set(_leaves(shape))
+        laid.update({column: value for column, value in row.items() if column not in placed})
+    return laid
+
+
+def _leaves(shape: Any) -> Iterator[str]:
+    if isinstance(shape, str):
+        yield shape
+    else:
+        for inner in shape.values() if isinstance(shape, dict) else shape:
+            yield from _leaves(inner)
 
 
 def _value(value: str, arguments: dict[str, Any]) -> Any:

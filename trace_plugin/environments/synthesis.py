@@ -30,6 +30,8 @@ from trace_plugin.environments.schema_requests import phrasing, requests
 from trace_plugin.mining.detectors import Trajectory, guess_role, name_words
 from trace_plugin.mining.kinds import KINDS, FamilyName
 from trace_plugin.records.env_spec import (
+    MAX_COLUMNS,
+    MAX_SHAPE_DEPTH,
     MAX_TEMPLATES,
     MAX_TEXT,
     WRITES,
@@ -81,6 +83,8 @@ class Observations:
     # write tool -> the tools the target refused it without, and its words when it did
     preconditions: Mapping[str, Precondition] = field(default_factory=dict)
     requests: Sequence[str] = ()  # what the target's users asked, word for word
+    # tool -> the skeleton of its answers (``result_shape``): how the target lays them out
+    shapes: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_calls(cls, calls: Iterable[tuple[dict[str, Any], Any]]) -> Observations:
@@ -120,6 +124,29 @@ def observed_guards(trajectories: Iterable[Trajectory]) -> dict[str, list[str]]:
                     if key.endswith("_id") and isinstance(value, str) and isinstance(status, str):
                         status_of[value] = status
     return {name: sorted(statuses) for name, statuses in guards.items()}
+
+
+def result_shape(value: Any, name: str = "", depth: int = 0) -> Any:
+    """A captured answer's skeleton: every value replaced by its key's name, a list by its
+    first item's skeleton. ``{"order_id": "#W1", "address": {"zip": "02108"}}`` becomes
+    ``{"order_id": "order_id", "address": {"zip": "zip"}}``, the interpreter's ``returns``."""
+    if isinstance(value, dict) and depth < MAX_SHAPE_DEPTH:
+        return {str(k): result_shape(v, str(k), depth + 1) for k, v in list(value.items())[:MAX_COLUMNS]}
+    if isinstance(value, list) and depth < MAX_SHAPE_DEPTH:
+        return [result_shape(value[0], name.removesuffix("s"), depth + 1)] if value else []
+    return name
+
+
+def observed_shapes(trajectories: Iterable[Trajectory]) -> dict[str, Any]:
+    """Per tool, the skeleton most of its answers that went through had: the target's
+    ``find_user`` answers one user id, its ``get_order`` an order with its address nested."""
+    counts: dict[str, Counter[str]] = {}
+    for t in trajectories:
+        for call in t.calls:
+            if not call.error:
+                shape = json.dumps(result_shape(arguments_object(call.result)))
+                counts.setdefault(call.name, Counter())[shape] += 1
+    return {name: json.loads(count.most_common(1)[0][0]) for name, count in counts.items()}
 
 
 def observed_preconditions(trajectories: Iterable[Trajectory], policy: str = "") -> dict[str, Precondition]:
@@ -316,13 +343,20 @@ class Interface:
             return None
         key = f"{noun}_id"
         role = guess_role(name)
+        shape = self.observations.shapes.get(name)
+        laid = shape if isinstance(shape, dict) and len(json.dumps(shape)) <= MAX_TEXT else None
         if role == "read" and key in required:
             if required - {key}:  # a lookup passes the key alone: its call would break the schema
                 return None
-            return ToolSpec(schema=schema, behaviour="lookup", table=noun, key=key)
+            return ToolSpec(schema=schema, behaviour="lookup", table=noun, key=key, returns=laid)
         if role == "read":
             filters = {p: p for p in params if p in self.tables[noun].columns}
-            return ToolSpec(schema=schema, behaviour="list", table=noun, filters=filters) if filters else None
+            one = key if isinstance(shape, str) else None  # the target answered one match, not a list
+            return (
+                ToolSpec(schema=schema, behaviour="list", table=noun, filters=filters, returns=one)
+                if filters
+                else None
+            )
         if role == "write" and key in required:
             statuses = list(self.tables[noun].columns["status"].values)
             sets = {p: f"${p}" for p in params if p != key and p in self.tables[noun].columns}
@@ -333,7 +367,8 @@ class Interface:
                 table=noun,
                 key=key,
                 guard={"status": guard},
-                sets={**sets, "status": past_tense(name_words(name)[0])},
+                sets={**sets, "status": _done_status(name_words(name)[0], statuses)},
+                returns=laid,
             )
         return None
 
@@ -588,6 +623,7 @@ class CapturedInterface:
             guards=observed_guards(trajectories),
             phrasings=observed_phrasings(trajectories),
             preconditions=observed_preconditions(trajectories, system_prompt),
+            shapes=observed_shapes(trajectories),
             requests=[t.user for t in trajectories if t.user],
         )
         return cls(store.tool_schemas(agent), system_prompt, observed, examples)
@@ -845,6 +881,14 @@ FAMILIES: dict[FamilyName, Family] = {
 
 
 # -- helpers ------------------------------------------------------------------------------
+
+
+def _done_status(verb: str, statuses: Sequence[str]) -> str:
+    """The status a write leaves: the target's own word where traffic showed one that starts
+    as the verb does ("cancelled", "return requested"), else the verb's past tense."""
+    stem = verb[:5].lower()
+    seen = [s for s in statuses if len(stem) >= 4 and s.lower().startswith(stem)]
+    return seen[0] if seen else past_tense(verb)
 
 
 def past_tense(verb: str) -> str:

@@ -39,6 +39,7 @@ MAX_SPEC_BYTES = 64 * 1024
 MAX_TABLES, MAX_COLUMNS, MAX_ROWS = 8, 16, 50
 MAX_TOOLS, MAX_TEMPLATES, MAX_SLOTS, MAX_ACTIONS, MAX_POOL = 16, 16, 8, 8, 64
 MAX_TEXT = 2000
+MAX_SHAPE_DEPTH = 4
 
 Name = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 # A tool's name as agents write them (``pkg.func``, ``getWeather``, ``search-v2``): what the
@@ -104,8 +105,29 @@ class ToolSpec(_Model):
     # target refused it until they had), and the target's words when they have not.
     requires: list[str] = Field(default_factory=list)
     requires_error: str = ""
+    # The shape of the target's answers, so that the expert reads what the target will show
+    # it: a JSON skeleton whose strings name the row's columns (a lookup's or an update's
+    # answer), or one column's name (a list that answers its first match's value of it, as
+    # a search that answers one user id). None: the row, or the matching keys.
+    returns: Any = None
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("returns")
+    @classmethod
+    def _skeleton(cls, returns: Any) -> Any:
+        def depth(value: Any) -> int:
+            if isinstance(value, str):
+                return 0
+            if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+                return 1 + max(map(depth, value.values()), default=0)
+            if isinstance(value, list) and len(value) <= 1:
+                return 1 + max(map(depth, value), default=0)
+            raise ValueError("returns is built of objects, one-element lists and column names")
+
+        if returns is not None and (depth(returns) > MAX_SHAPE_DEPTH or len(json.dumps(returns)) > MAX_TEXT):
+            raise ValueError(f"returns is at most {MAX_SHAPE_DEPTH} deep and {MAX_TEXT} characters")
+        return returns
 
     @property
     def name(self) -> str:
@@ -279,6 +301,12 @@ def _tool(spec: EnvSpec, tool: ToolSpec) -> None:
             raise SpecError(
                 f"tool {tool.name}: filter {argument}->{column} names a missing argument or column"
             )
+    if isinstance(tool.returns, str) and (tool.behaviour != "list" or tool.returns not in table.columns):
+        raise SpecError(f"tool {tool.name}: only a list answers one column, and {tool.returns!r} must be one")
+    if isinstance(tool.returns, list | dict) and (
+        tool.behaviour not in ("lookup", "update") or not isinstance(tool.returns, dict)
+    ):
+        raise SpecError(f"tool {tool.name}: only a lookup or an update answers an object shape")
     for column, allowed in tool.guard.items():
         if column not in table.columns or not allowed:
             raise SpecError(f"tool {tool.name}: guard on missing column {column!r} or with no values")
