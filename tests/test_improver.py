@@ -194,6 +194,49 @@ async def test_the_gate_chooses_between_the_top_p_merge_and_one_expert_per_reque
     store.close()
 
 
+async def test_experts_are_scored_on_their_environments_asked_plainly(sqlite_url, monkeypatch):
+    """Calibration eases an environment for the base model until its requests name the tools
+    ("… Use find_user, get_order and cancel_order."); the held-out scores that decide a
+    deployment were taken there, on a skill no user's request calls on. They are now taken
+    on the same tasks asked plainly."""
+    from trace_plugin.environments.base import RewardBreakdown
+    from trace_plugin.environments.retail import POLICY, TOOLS
+    from trace_plugin.environments.runner import EpisodeResult
+    from trace_plugin.environments.synthesis import synthesize
+    from trace_plugin.improver import Routing, evaluation
+
+    store = Store(sqlite_url)
+    store.upgrade()
+    plain = synthesize("write_completion", TOOLS, system_prompt=POLICY)
+    named = plain.model_copy(update={"difficulty": plain.difficulty.model_copy(update={"name_tools": 1.0})})
+    improver = Improver(store, ImproverConfig("a", "http://x", store.url))
+    played = []
+
+    async def play(spec, model, seeds):
+        played.append((model, spec))
+        return [EpisodeResult(s, "k", RewardBreakdown(0.0), "", "") for s in seeds]
+
+    async def loaded(experts):
+        return {"write_completion": "write_completion@1"}
+
+    async def set_router(spec, *, name=None):
+        pass
+
+    monkeypatch.setattr(improver.gateway, "set_router", set_router)
+    monkeypatch.setattr(improver, "load_candidates", loaded)
+    monkeypatch.setattr(improver, "live_model", lambda: asyncio.sleep(0, "base"))
+    monkeypatch.setattr(improver, "spec", lambda capability, experts=None: named)
+    monkeypatch.setattr(improver, "play_spec", play)
+    await evaluation.evaluate(
+        improver, "c1", {}, Routing(router_spec({"write_completion": "w@1"}, store, "a"))
+    )
+    assert [model for model, _ in played] == ["base", "write_completion@1"]
+    for _, spec in played:
+        assert spec.tasks == named.tasks and spec.difficulty.name_tools == 0.0
+        assert not [t for s in range(8) if " Use " in (t := SpecEnv(spec).reset(s).prompt)]
+    store.close()
+
+
 def test_no_training_task_is_one_a_report_or_the_gate_measures(sqlite_url, tmp_path):
     """Leakage was checked against the gate's tasks only: requests phrased like the target's
     traffic may repeat a reported task, and a report would then measure what was trained."""

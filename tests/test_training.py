@@ -258,6 +258,11 @@ def test_grpo_moves_a_level_by_a_window_of_steps_up_when_mastered_down_when_out_
     # Never below where it started: the levels under the calibrated one narrow the tickets.
     assert config.level([logged(1, 0.0), logged(1, 0.0)], 1, 2) == 1
     assert config.level([logged(1, 1.0), logged(1, 1.0), logged(2, 0.0), logged(2, 0.0)], 1, 2) == 1
+    # A warm-started policy starts where requests are asked plainly, above the calibrated
+    # level, and may step down as far as that level, never below it.
+    assert config.level([], 3, 4, floor=1) == 3
+    assert config.level([logged(3, 0.0), logged(3, 0.0)], 3, 4, floor=1) == 2
+    assert config.level([logged(1, 0.0), logged(1, 0.0)], 3, 4, floor=1) == 1
     # Back at level 0 the steps before the climb are no window: only new ones count.
     assert config.level([*climbed, logged(1, 0.0), logged(1, 0.0), logged(0, 1.0)], 0, 2) == 0
     assert config.level([*climbed, logged(1, 0.0), logged(1, 0.0), logged(0, 1.0), logged(0, 1.0)], 0, 2) == 1

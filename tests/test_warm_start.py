@@ -192,10 +192,14 @@ def test_grpo_samples_no_task_the_warm_start_trained_on_or_an_evaluation_plays(t
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_the_warm_start_plays_requests_asked_plainly_where_grpo_starts_at_named_tools(tmp_path, monkeypatch):
+def test_the_warm_start_and_grpo_ask_plainly_where_the_calibrated_level_names_tools(tmp_path, monkeypatch):
     """The quick demo's expert, warm-started on tickets ending "Use find_user and
     cancel_order", went to the target's tickets, which never name a tool, and skipped the
-    lookups: a reference play's calls are right however its request is asked."""
+    lookups: a reference play's calls are right however its request is asked. Then GRPO
+    still started at the calibrated level, which named the tools in every ticket (the
+    headline's writes expert, warm-started plainly, trained 20 steps on named tickets): a
+    warm-started expert's GRPO now starts where requests are asked plainly, and may step
+    down no lower than the calibrated level."""
     import training.experts
     from training.executors import TrainingJob, job_trainer
 
@@ -225,6 +229,9 @@ def test_the_warm_start_plays_requests_asked_plainly_where_grpo_starts_at_named_
     assert named_prompts and len(named_prompts) == sum(
         bool(SpecEnv(named).reset(s).metadata["reference"]) for s in range(40)
     )
+    assert asked(trainer.levels[trainer.start_level]) == asked(trainer.env_factory)  # the floor
+    assert trainer.warm_level > trainer.start_level
+    assert not [p for p in asked(trainer.levels[trainer.warm_level]) if " Use " in p]
 
 
 @pytest.mark.slow

@@ -189,14 +189,17 @@ class ExpertTrainingConfig:
             return "spent"
         return None
 
-    def level(self, history: Sequence[dict[str, Any]], start: int, top: int) -> int:
+    def level(
+        self, history: Sequence[dict[str, Any]], start: int, top: int, *, floor: int | None = None
+    ) -> int:
         """The level GRPO plays next after the steps logged in ``history``: ``start`` first;
         one up once the last ``level_window`` steps, all at the current level, averaged
         ``level_up_success`` (never above ``top``); one down once they averaged under
-        ``level_down_success``, never below ``start``: the levels under the calibrated one
-        narrow the tickets to fewer templates, another task rather than an easier one (a
-        quick demo that stepped down there trained on writes alone and scored 0.39 on its
-        environment's held-out seeds, where runs that stayed above scored 0.50 to 0.75).
+        ``level_down_success``, never below ``floor`` (``start`` unless given): the levels
+        under the calibrated one narrow the tickets to fewer templates, another task rather
+        than an easier one (a quick demo that stepped down there trained on writes alone and
+        scored 0.39 on its environment's held-out seeds, where runs that stayed above scored
+        0.50 to 0.75).
         A pure function of the logs, which a checkpoint keeps, so a resumed run plays
         where the killed one would have."""
         steps = [entry for entry in history if "curriculum/level" in entry]
@@ -211,7 +214,7 @@ class ExpertTrainingConfig:
         if success >= self.level_up_success:
             return min(current + 1, top)
         if success < self.level_down_success:
-            return max(current - 1, start)
+            return max(current - 1, start if floor is None else floor)
         return current
 
     def to_dict(self) -> dict[str, Any]:

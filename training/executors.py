@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from trace_plugin.environments.interpreter import SpecEnv, worked_example
-from trace_plugin.environments.validation import levels, plainly_asked
+from trace_plugin.environments.validation import levels, plain_level, plainly_asked
 from trace_plugin.export import Conversation
 from trace_plugin.records.env_spec import EnvSpec
 from training.config import ExpertTrainingConfig
@@ -37,8 +37,9 @@ def run_job(job: TrainingJob) -> ExpertResult:
 
 
 def job_trainer(job: TrainingJob) -> ExpertTrainer:
-    """The trainer ``job`` describes: GRPO climbs the spec's levels from its own, and the
-    warm start plays the spec's tasks asked plainly (``plainly_asked``)."""
+    """The trainer ``job`` describes: the warm start plays the spec's tasks asked plainly
+    (``plainly_asked``), and GRPO climbs the spec's levels from the first so asked at or
+    above the spec's own (from the spec's own, and never below it, without a warm start)."""
     spec = EnvSpec.model_validate(job.spec)
     config = ExpertTrainingConfig(**job.config)
     ladder, start = levels(spec)
@@ -53,6 +54,7 @@ def job_trainer(job: TrainingJob) -> ExpertTrainer:
         rehearsal=job.rehearsal,
         levels=[lambda level=level: SpecEnv(level) for level in ladder],
         start_level=start,
+        warm_level=plain_level(ladder, start),
         warm_start_env=lambda: SpecEnv(plainly_asked(spec)),
         progress=job.progress,
     )

@@ -113,11 +113,14 @@ class RolloutFunction:
         *,
         levels: Sequence[Callable[[], Environment]] = (),
         start_level: int = 0,
+        floor_level: int | None = None,
     ) -> None:
         self.config, self.player, self.seeds, self.hint = config, player, list(seeds), hint
         self.backend = generate  # trainer -> a context holding the policy's Generate
-        # The environment's difficulty levels, easiest first (none: the player's one).
+        # The environment's difficulty levels, easiest first (none: the player's one), the
+        # one GRPO starts at, and the lowest it may step down to (None: where it starts).
         self.levels, self.start_level = list(levels), start_level
+        self.floor_level = start_level if floor_level is None else min(floor_level, start_level)
         self._stats: dict[str, float] = {}
         self._tasks: dict[tuple[int, int], Task] = {}
 
@@ -126,7 +129,9 @@ class RolloutFunction:
         rng = random.Random(f"{self.config.seed}/{trainer.state.global_step}")
         level = None
         if self.levels:
-            level = self.config.level(trainer.state.log_history, self.start_level, len(self.levels) - 1)
+            level = self.config.level(
+                trainer.state.log_history, self.start_level, len(self.levels) - 1, floor=self.floor_level
+            )
             self.player.env_factory = self.levels[level]
         with self.backend(trainer) as generate:
             group_seeds = [json.loads(p)["seed"] for p in prompts[::size]]
@@ -489,6 +494,7 @@ class ExpertTrainer:
         rehearsal: Sequence[Conversation] = (),
         levels: Sequence[Callable[[], Environment]] = (),
         start_level: int = 0,
+        warm_level: int | None = None,
         warm_start_env: Callable[[], Environment] | None = None,
         progress: bool = True,
         callbacks: Sequence[TrainerCallback] = (),
@@ -502,8 +508,12 @@ class ExpertTrainer:
         # whatever its request says, and an expert shown named tools waits for the names.
         self.warm_start_env = warm_start_env or env_factory
         # GRPO's difficulty levels, easiest first, and the one it starts at (env_factory's):
-        # it climbs them as it masters each (ExpertTrainingConfig.level).
+        # it climbs them as it masters each (ExpertTrainingConfig.level), never below
+        # ``start_level``. A warm-started policy starts at ``warm_level`` (None: the same),
+        # its requests asked as the warm start asked them: where they named the tools, the
+        # levels that define success would teach a policy to wait for names no user gives.
         self.levels, self.start_level = list(levels), start_level
+        self.warm_level = start_level if warm_level is None else warm_level
         self.exclude = sorted(set(exclude))  # task keys the warm start must not play (evaluated tasks)
         self.rehearsal = list(rehearsal)[: config.rehearsal_plays]  # the deployed agent's successes
         self.warm_start: WarmStartResult | None = None
@@ -640,8 +650,16 @@ class ExpertTrainer:
         # and a hint's half-conversation (a ticket and its first call, no result) contradicts
         # them: the quick demo's expert scored 0.05 hinted against 0.30 plainly, on 8 seeds.
         hint = self.hint if self.warm_start is None else None
+        start = self.start_level if self.warm_start is None else self.warm_level
         rollouts = RolloutFunction(
-            config, player, seeds, hint, backend, levels=self.levels, start_level=self.start_level
+            config,
+            player,
+            seeds,
+            hint,
+            backend,
+            levels=self.levels,
+            start_level=start,
+            floor_level=self.start_level,
         )
         # Prompts are plain strings naming a seed: no chat-format schema for datasets to merge.
         dataset = Dataset.from_dict({"prompt": [json.dumps({"seed": s}) for s in seeds]})

@@ -237,6 +237,12 @@ def plainly_asked(spec: EnvSpec) -> EnvSpec:
     return spec.model_copy(update={"difficulty": spec.difficulty.model_copy(update={"name_tools": 0.0})})
 
 
+def plain_level(ladder: Sequence[EnvSpec], start: int) -> int:
+    """The first of ``ladder``'s levels from ``start`` up whose requests name no tool, as the
+    target's users ask (``start`` where none is)."""
+    return next((i for i in range(start, len(ladder)) if not ladder[i].difficulty.name_tools), start)
+
+
 def training_forms(spec: EnvSpec) -> list[EnvSpec]:
     """Every form in which training may meet ``spec``'s tasks: its levels and the warm
     start's plain requests. The same task asked another way is the same task, so an

@@ -19,6 +19,7 @@ from trace_plugin.environments.catalog import env_factory, target_turns
 from trace_plugin.environments.interpreter import SpecEnv, reply_budget, turn_budget
 from trace_plugin.environments.runner import ChatLoopAgent, EpisodeResult, Runner
 from trace_plugin.environments.synthesis import CapturedInterface
+from trace_plugin.environments.validation import plainly_asked
 from trace_plugin.improver.config import HELD_OUT_SEEDS, ImproverConfig
 from trace_plugin.improver.errors import ConfigError
 from trace_plugin.mining.detectors import Trajectory
@@ -51,15 +52,16 @@ async def evaluate(
     routing: Routing,
 ) -> Evaluation:
     """Score the candidate router and its experts against the live deployment, through the
-    gateway, each capability at its calibrated level (the screen played the live agent at
-    the hardest)."""
+    gateway, each capability at its calibrated level asked plainly, as the target's users
+    ask (the screen played the live agent at the hardest): a level that names the tools
+    measures a skill no user's request calls on."""
     config, console = improver.config, improver.console
     adapters = await improver.load_candidates(experts)  # again: the gateway may have restarted
     await improver.gateway.set_router(routing.router, name=cycle)
     live = await improver.live_model()
     capabilities: dict[str, Scores] = {}
     for capability, name in adapters.items():
-        spec = improver.spec(capability, experts)
+        spec = plainly_asked(improver.spec(capability, experts))
         seeds = list(HELD_OUT_SEEDS[: config.eval_seeds])
         scored: dict[str, float] = {}
         for model in ("base", live, name):

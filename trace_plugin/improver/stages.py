@@ -363,7 +363,7 @@ async def learned_router(
 
     names = {capability: split_name(name)[0] for capability, name in adapters.items()}
     router, report = await fit_gate(
-        [improver.spec(capability, experts) for capability in names],
+        [plainly_asked(improver.spec(capability, experts)) for capability in names],  # as users ask
         list(names.values()),
         play,
         improver.gateway.embed,
