@@ -663,26 +663,38 @@ def test_preconditions_are_learned_on_a_target_shape_that_is_not_retail():
     assert observed_preconditions(calls * 3, "Use the tools.") == {}
 
 
+def _skips_identity(task, env):
+    """Retail's competent plays less ``find_user``: the target refuses their writes, and its
+    traffic then shows that the search is required."""
+    from trace_plugin.environments import planted
+
+    calls, texts, answer = planted._competent(task, env)
+    return [c for c in calls if c["name"] != "find_user"], texts, answer
+
+
+def _captured(url: str, monkeypatch, policies: tuple[str, ...]):
+    """A store holding 48 retail train tasks played by ``policies`` (``skips_identity``
+    among them, if named), and the interface captured from it."""
+    from trace_plugin.environments import planted
+    from trace_plugin.environments.retail import TRAIN_SEEDS
+    from trace_plugin.environments.synthesis import CapturedInterface
+
+    monkeypatch.setitem(planted.POLICIES, "skips_identity", _skips_identity)
+    store = Store(url)
+    store.upgrade()
+    episodes = planted.corpus(list(TRAIN_SEEDS)[:48], policies)
+    store.write([r for e in episodes for r in (e, *e.steps)])
+    return store, CapturedInterface.from_store(store, episodes[0].agent)
+
+
 def test_the_environment_answers_as_the_target_answers(sqlite_url, monkeypatch):
     """The headline's writes expert learned an environment whose ``find_user`` answered a
     list of ids and whose ``get_order`` a flat row; on the target, which answers one user id
     and an order with its address nested, it looped ``find_user``, ``get_order`` until its
     turns ran out. The environment now lays its answers out as the target's traffic shows
     them, and a write leaves the status word the target uses ("cancelled")."""
-    from trace_plugin.environments import planted
-    from trace_plugin.environments.retail import TRAIN_SEEDS
-    from trace_plugin.environments.synthesis import CapturedInterface
-
-    def skips_identity(task, env):  # refused: the traffic then shows the search is required
-        calls, texts, answer = planted._competent(task, env)
-        return [c for c in calls if c["name"] != "find_user"], texts, answer
-
-    monkeypatch.setitem(planted.POLICIES, "skips_identity", skips_identity)
-    store = Store(sqlite_url)
-    store.upgrade()
-    episodes = planted.corpus(list(TRAIN_SEEDS)[:48], ("skips_identity", "competent"))
-    store.write([r for e in episodes for r in (e, *e.steps)])
-    observations = CapturedInterface.from_store(store, episodes[0].agent).observations
+    store, captured = _captured(sqlite_url, monkeypatch, ("skips_identity", "competent"))
+    observations = captured.observations
     assert observations.shapes["find_user"] == ""
     address = {"address1": "address1", "city": "city", "zip": "zip"}
     assert observations.shapes["get_order"]["address"] == address
@@ -723,20 +735,7 @@ def test_tickets_are_also_worded_as_the_targets_users_word_them(sqlite_url, monk
     name is …, last name is … and zip is …", searched by name without the zip on the
     target's "I'm Kenji Lopez, zip 78701" and never wrote. Tickets are now also worded as
     captured requests were, every value they state drawn anew, and still solvable."""
-    from trace_plugin.environments import planted
-    from trace_plugin.environments.retail import TRAIN_SEEDS
-    from trace_plugin.environments.synthesis import CapturedInterface
-
-    def skips_identity(task, env):  # refused: the traffic then shows the search is required
-        calls, texts, answer = planted._competent(task, env)
-        return [c for c in calls if c["name"] != "find_user"], texts, answer
-
-    monkeypatch.setitem(planted.POLICIES, "skips_identity", skips_identity)
-    store = Store(sqlite_url)
-    store.upgrade()
-    episodes = planted.corpus(list(TRAIN_SEEDS)[:48], ("skips_identity", "competent"))
-    store.write([r for e in episodes for r in (e, *e.steps)])
-    captured = CapturedInterface.from_store(store, episodes[0].agent)
+    store, captured = _captured(sqlite_url, monkeypatch, ("skips_identity", "competent"))
     spec = synthesize("write_completion", TOOLS, system_prompt=POLICY, observations=captured.observations)
     cancels = {t.prompt: t.weight for t in spec.tasks if t.kind == "cancel_order"}
     users = (
@@ -823,21 +822,8 @@ def test_emails_come_from_the_requests_where_the_agents_calls_show_none(sqlite_u
     """The quick demo's agent never found a user by email, so the environment made emails
     up ("mia.novak@example.com"), and its expert read the target's "noah.okafor37@…" as a
     first and a last name. Users state their emails in their requests: those are the pool."""
-
-    from trace_plugin.environments import planted
-    from trace_plugin.environments.retail import TRAIN_SEEDS
-    from trace_plugin.environments.synthesis import CapturedInterface
-
-    def skips_identity(task, env):
-        calls, texts, answer = planted._competent(task, env)
-        return [c for c in calls if c["name"] != "find_user"], texts, answer
-
-    monkeypatch.setitem(planted.POLICIES, "skips_identity", skips_identity)
-    store = Store(sqlite_url)
-    store.upgrade()
-    episodes = planted.corpus(list(TRAIN_SEEDS)[:48], ("skips_identity",))
-    store.write([r for e in episodes for r in (e, *e.steps)])
-    observations = CapturedInterface.from_store(store, episodes[0].agent).observations
+    store, captured = _captured(sqlite_url, monkeypatch, ("skips_identity",))
+    observations = captured.observations
     assert len(observations.values.get("email", ())) < 3  # the agent's calls show (almost) none
     stated = {e for r in observations.requests for e in re.findall(r"[\w.+-]+@[\w.-]+\.\w+", r)}
     spec = synthesize("write_completion", TOOLS, system_prompt=POLICY, observations=observations)
