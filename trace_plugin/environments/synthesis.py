@@ -887,8 +887,9 @@ def _done_status(verb: str, statuses: Sequence[str]) -> str:
     """The status a write leaves: the target's own word where traffic showed one that starts
     as the verb does ("cancelled", "return requested"), else the verb's past tense."""
     stem = verb[:5].lower()
-    seen = [s for s in statuses if len(stem) >= 4 and s.lower().startswith(stem)]
-    return seen[0] if seen else past_tense(verb)
+    if len(stem) >= 4:  # shorter verbs ("set", "add") start too many words
+        return next((s for s in statuses if s.lower().startswith(stem)), past_tense(verb))
+    return past_tense(verb)
 
 
 def past_tense(verb: str) -> str:
